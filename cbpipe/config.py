@@ -1,0 +1,155 @@
+"""Engine settings: one frozen dataclass tree, and the launcher flags generated from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+DEFAULT_MODEL = "default"
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt(
+        DEFAULT_MODEL,
+        "a local Hugging Face checkpoint folder, 'default' (the embedded tiny model) "
+        "or a random-weight preset such as 'random:llama-1b'",
+    )
+    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "where the worker runs the model")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
+        "auto", "model and KV-cache dtype; auto is float32 on the CPU, bfloat16 on CUDA"
+    )
+    max_model_len: int | None = _opt(
+        None, "longest sequence (prompt + output) served; default: the model's own limit"
+    )
+    seed: int = _opt(0, "seed for random-weight presets")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV-cache block")
+    num_blocks: int | None = _opt(
+        None, "KV-cache blocks; default: sized from the memory left on the device"
+    )
+    kv_cache_memory_fraction: float = _opt(
+        0.85, "share of the device memory left after loading the model that the KV cache takes"
+    )
+    cpu_kv_cache_gib: float = _opt(1.0, "KV-cache size on the CPU device when --num-blocks is unset")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(256, "most sequences in one step")
+    max_batch_tokens: int = _opt(2048, "most tokens (prefill chunks + decodes) in one step")
+    sync: bool = _opt(False, "wait for each step's tokens before packing the next")
+    debug_scheduler_delay_ms: float = _opt(
+        0.0, "add this much CPU time to every step's packing (to show what asynchrony hides)"
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    address: str | None = _opt(
+        None, "client address (zmq, e.g. tcp://127.0.0.1:5555); default: a new ipc:// path"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = _opt("warning", "log verbosity")
+    ready_timeout_s: float = _opt(600.0, "how long to wait for the processes to start")
+
+    def validate(self) -> None:
+        s, c = self.scheduler, self.cache
+        checks = [
+            (s.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
+            (s.max_batch_tokens >= s.max_num_seqs,
+             "--max-batch-tokens must be >= --max-num-seqs (every sequence needs a row)"),
+            (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
+            (c.block_size >= 1, "--block-size must be >= 1"),
+            (c.num_blocks is None or c.num_blocks >= 1, "--num-blocks must be >= 1"),
+            (0 < c.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction must be in (0, 1]"),
+            (self.model.max_model_len is None or self.model.max_model_len >= 2,
+             "--max-model-len must be >= 2"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+# --- flags from fields ----------------------------------------------------------------------
+
+
+def _leaf_fields(cls: type, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    hints = typing.get_type_hints(cls)
+    leaves = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            leaves += _leaf_fields(hint, (*prefix, f.name))  # type: ignore[arg-type]
+        else:
+            leaves.append(((*prefix, f.name), (f, hint)))
+    return leaves
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per leaf field of ``EngineConfig``; names are unique across groups."""
+    for path, (f, hint) in _leaf_fields(EngineConfig):
+        flag = "--" + path[-1].replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": "__".join(path), "default": f.default, "help": f.metadata["help"]}
+        base = _strip_optional(hint)
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(base) is Literal:
+            kwargs["choices"] = get_args(base)
+        else:
+            kwargs["type"] = base
+            kwargs["metavar"] = path[-1].upper()
+        if f.default is not None and base is not bool:
+            kwargs["help"] += f" (default: {f.default})"
+        parser.add_argument(flag, **kwargs)
+
+
+def from_arguments(args: argparse.Namespace) -> EngineConfig:
+    values = vars(args)
+    return _build(EngineConfig, values, ())
+
+
+def _build(cls: type, values: dict[str, Any], prefix: tuple[str, ...]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        path = (*prefix, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values, path)
+        else:
+            kwargs[f.name] = values["__".join(path)]
+    return cls(**kwargs)
+
+
+def _strip_optional(hint: Any) -> Any:
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            return options[0]
+    return hint
+
+
+def to_dict(config: EngineConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def from_dict(values: dict[str, Any]) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(**values["model"]),
+        cache=CacheConfig(**values["cache"]),
+        scheduler=SchedulerConfig(**values["scheduler"]),
+        **{k: v for k, v in values.items() if k not in ("model", "cache", "scheduler")},
+    )

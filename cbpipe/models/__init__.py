@@ -1,0 +1,113 @@
+"""Where a model comes from: the embedded checkpoint, a local folder, or a random-weight preset.
+
+Resolving a name reads configuration only (no weights), so the launcher can size the engine
+and the scheduler can find the tokenizer without loading the model. Building the weights is
+the worker's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen2Config
+
+EMBEDDED_MODEL_DIR = Path(__file__).parent / "default"
+RANDOM_PREFIX = "random:"
+
+
+def _llama3(hidden: int, layers: int, heads: int, intermediate: int, tie: bool) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=hidden // heads,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+
+
+def _preset_configs() -> dict[str, PretrainedConfig]:
+    return {
+        # Shapes of Llama 3.2 1B and Llama 3.1 8B.
+        "llama-1b": _llama3(hidden=2048, layers=16, heads=32, intermediate=8192, tie=True),
+        "llama-8b": _llama3(hidden=4096, layers=32, heads=32, intermediate=14336, tie=False),
+        # A second architecture for correctness tests: attention biases, GQA 4:1.
+        "qwen2-tiny": Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    }
+
+
+PRESET_NAMES = tuple(_preset_configs())
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model name; ``path`` is None for random-weight presets."""
+
+    name: str
+    path: Path | None
+    config: PretrainedConfig
+
+    @property
+    def is_random(self) -> bool:
+        return self.path is None
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return self.path
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.config.eos_token_id
+        if self.path is not None and (self.path / "generation_config.json").exists():
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(self.path).eos_token_id
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Resolve a ``--model`` value; raises ``ValueError`` saying what would have worked."""
+    if name == "default":
+        return ModelSource(name, EMBEDDED_MODEL_DIR, AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR))
+    if name.startswith(RANDOM_PREFIX):
+        preset = name.removeprefix(RANDOM_PREFIX)
+        configs = _preset_configs()
+        if preset not in configs:
+            raise ValueError(
+                f"unknown preset {name!r}; presets: "
+                + ", ".join(RANDOM_PREFIX + p for p in PRESET_NAMES)
+            )
+        return ModelSource(name, None, configs[preset])
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {name!r} is neither 'default', a preset ("
+            + ", ".join(RANDOM_PREFIX + p for p in PRESET_NAMES)
+            + ") nor a folder with a config.json"
+        )
+    return ModelSource(name, path.resolve(), AutoConfig.from_pretrained(path))

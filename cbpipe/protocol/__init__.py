@@ -1,0 +1,51 @@
+"""Everything that crosses a process boundary: messages, sampling parameters, slot layout."""
+
+from cbpipe.protocol.messages import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Cancel,
+    Error,
+    ErrorKind,
+    Finished,
+    Hello,
+    Message,
+    ProtocolError,
+    Shutdown,
+    Step,
+    StepDone,
+    Submit,
+    Tokens,
+    Welcome,
+    WorkerFailed,
+    WorkerReady,
+    decode,
+    encode,
+)
+from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.slots import SlotLayout, SlotLimits, numpy_views
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Cancel",
+    "Error",
+    "ErrorKind",
+    "Finished",
+    "Hello",
+    "Message",
+    "ProtocolError",
+    "SamplingParams",
+    "Shutdown",
+    "SlotLayout",
+    "SlotLimits",
+    "Step",
+    "StepDone",
+    "Submit",
+    "Tokens",
+    "Welcome",
+    "WorkerFailed",
+    "WorkerReady",
+    "decode",
+    "encode",
+    "numpy_views",
+]

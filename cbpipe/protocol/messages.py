@@ -1,0 +1,320 @@
+"""Every message that crosses a process boundary, and its msgpack encoding.
+
+A frame is a msgpack map ``{"v": PROTOCOL_VERSION, "type": <name>, **fields}``. Decoding is
+strict: an unknown type, a missing or unknown field, or a field of the wrong type raises
+``ProtocolError`` with a message that names the problem, so a receiver can answer it instead
+of crashing. Payload arrays never travel here: they live in the shared-memory slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+
+import msgpack
+
+from cbpipe.protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# A prompt of the longest model we serve is well under this; anything bigger is refused
+# before it is even unpacked.
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A frame that cannot be decoded or does not match its message type."""
+
+
+class ErrorKind(str, enum.Enum):
+    REQUEST = "request"  # the request was invalid; nothing else is affected
+    ENGINE = "engine"  # the engine failed or is gone
+
+
+FinishReasonName = Literal["stop", "length", "cancelled", "error"]
+
+
+class Message:
+    """Base of all message types; ``TYPE`` is the wire name."""
+
+    TYPE: ClassVar[str]
+
+
+# --- client <-> scheduler -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Client -> scheduler: first message of a connection; answered with ``Welcome``."""
+
+    TYPE: ClassVar[str] = "hello"
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Scheduler -> client: what the engine serves."""
+
+    TYPE: ClassVar[str] = "welcome"
+    model: str
+    vocab_size: int
+    max_model_len: int
+    has_tokenizer: bool
+
+
+@dataclass(frozen=True)
+class Submit(Message):
+    """Client -> scheduler: one generation job. ``request_id`` is unique per client."""
+
+    TYPE: ClassVar[str] = "submit"
+    request_id: int
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    TYPE: ClassVar[str] = "cancel"
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Tokens(Message):
+    """Scheduler -> client: newly known tokens of a job, in order."""
+
+    TYPE: ClassVar[str] = "tokens"
+    request_id: int
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished(Message):
+    """Scheduler -> client: the job is over; every token was sent before in ``Tokens``."""
+
+    TYPE: ClassVar[str] = "finished"
+    request_id: int
+    finish_reason: FinishReasonName
+    text: str | None
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """An error reply. ``request_id`` is None when the frame could not be attributed."""
+
+    TYPE: ClassVar[str] = "error"
+    request_id: int | None
+    kind: ErrorKind
+    message: str
+
+
+# --- scheduler <-> worker -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerReady(Message):
+    """Worker -> scheduler handshake: what the worker loaded and could allocate."""
+
+    TYPE: ClassVar[str] = "worker_ready"
+    model: str
+    vocab_size: int
+    num_blocks: int
+    dtype: str
+    device: str
+    eos_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Step(Message):
+    """Scheduler -> worker: run the batch packed in ``slot`` as step number ``step``.
+
+    The sizes repeat what the slot header holds, so the worker can check the slot is the one
+    the scheduler meant, and can size device views without reading device memory.
+    """
+
+    TYPE: ClassVar[str] = "step"
+    step: int
+    slot: int
+    num_tokens: int
+    num_seqs: int
+    num_single_token_seqs: int  # seqs [0, n) have one query token each; they come first
+    max_query_len: int
+    max_context_len: int
+    block_table_width: int
+    # Index of the slot whose sampled ids carry over into this step; None when no row does.
+    carry_from_slot: int | None
+    all_greedy: bool
+    needs_top_k_top_p: bool
+
+
+@dataclass(frozen=True)
+class StepDone(Message):
+    """Worker -> scheduler: the step's sampled ids are in its slot's output area."""
+
+    TYPE: ClassVar[str] = "step_done"
+    step: int
+    slot: int
+    # Worker clock (time.perf_counter_ns, shared by processes on one host): when the step
+    # was received, when its outputs were ready, and GPU time measured by events.
+    recv_ns: int
+    done_ns: int
+    device_ms: float
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    TYPE: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class WorkerFailed(Message):
+    """Worker -> scheduler: the worker hit an error it cannot recover from."""
+
+    TYPE: ClassVar[str] = "worker_failed"
+    message: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, Welcome, Submit, Cancel, Tokens, Finished, Error,
+        WorkerReady, Step, StepDone, Shutdown, WorkerFailed,
+    )
+}  # fmt: skip
+
+
+def encode(message: Message) -> bytes:
+    fields = {f.name: _to_wire(getattr(message, f.name)) for f in dataclasses.fields(message)}  # type: ignore[arg-type]
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": message.TYPE, **fields})
+
+
+def decode(frame: bytes, expected: tuple[type[Message], ...] | None = None) -> Message:
+    """Decode and validate one frame; ``expected`` limits which types are accepted here."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable frame: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"a frame must be a map, got {type(raw).__name__}")
+    version = raw.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    type_name = raw.pop("type", None)
+    cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None or (expected is not None and cls not in expected):
+        raise ProtocolError(f"unknown or unexpected message type {type_name!r}")
+    return _build(cls, raw, context=type_name)
+
+
+def request_id_of(frame: bytes) -> int | None:
+    """Best-effort ``request_id`` of a frame that failed to decode, to address the error."""
+    try:
+        raw = msgpack.unpackb(frame, raw=False)
+    except Exception:
+        return None
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], context: str) -> Any:
+    hints = _type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name in hints]
+    unknown = sorted(set(raw) - set(names), key=str)
+    if unknown:
+        raise ProtocolError(f"{context}: unknown field(s) {', '.join(map(repr, unknown))}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            has_default = (
+                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            )
+            if has_default:
+                continue
+            raise ProtocolError(f"{context}: missing field {f.name!r}")
+        values[f.name] = _convert(hints[f.name], raw[f.name], f"{context}.{f.name}")
+    return cls(**values)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {k: v for k, v in hints.items() if get_origin(v) is not ClassVar}
+    return _HINTS[cls]
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case per type form
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        for option in get_args(hint):
+            try:
+                return _convert(option, value, where)
+            except ProtocolError:
+                continue
+        options = " or ".join(_hint_name(option) for option in get_args(hint))
+        raise ProtocolError(f"{where}: expected {options}, got {_describe(value)}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif origin is Literal:
+        if value in get_args(hint):
+            return value
+        raise ProtocolError(f"{where}: must be one of {get_args(hint)}, got {value!r}")
+    elif origin in (list, tuple):
+        if isinstance(value, list):
+            (item,) = get_args(hint)[:1]
+            items = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return items if origin is list else tuple(items)
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise ProtocolError(f"{where}: invalid value {value!r}") from None
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return _build(hint, value, where)  # type: ignore[arg-type]
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a message declared a type this codec does not know
+        raise TypeError(f"{where}: unsupported field type {hint!r}")
+    raise ProtocolError(f"{where}: expected {_hint_name(hint)}, got {_describe(value)}")
+
+
+def _hint_name(hint: Any) -> str:
+    if hint is type(None):
+        return "None"
+    if get_origin(hint) in (list, tuple):
+        return f"list of {_hint_name(get_args(hint)[0])}"
+    return getattr(hint, "__name__", None) or str(hint)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"

@@ -1,0 +1,62 @@
+"""Creating and attaching the shared-memory segment that holds the slots.
+
+The launcher creates the segment (``multiprocessing.shared_memory``, so Python's resource
+tracker removes it even if the launcher is killed) and unlinks it when it stops. Children
+attach by mapping ``/dev/shm/<name>`` directly: attaching through ``SharedMemory`` would
+register the segment with the child's resource tracker, which unlinks it when the child
+exits, or warns about a "leak" that is not one. Linux only, like the CUDA servers we target.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from multiprocessing import shared_memory
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "cbpipe-"
+
+
+def new_segment_name() -> str:
+    return f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    segment = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    segment.buf[:nbytes] = bytes(nbytes)  # touch every page now, not on the first step
+    return segment
+
+
+def remove_segment(segment: shared_memory.SharedMemory) -> None:
+    segment.close()
+    try:
+        segment.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class AttachedSegment:
+    """A child's writable mapping of a segment created by the launcher."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"shared memory {name} holds {size} bytes, expected {nbytes}")
+            self._mmap = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Arrays over the mapping are still referenced (say, by a traceback); the
+            # mapping goes with the process, and the launcher unlinks the segment.
+            pass

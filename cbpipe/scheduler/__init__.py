@@ -1,0 +1,1 @@
+"""The CPU side: requests, KV blocks, batching policy, packing, client traffic."""

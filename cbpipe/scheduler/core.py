@@ -1,0 +1,216 @@
+"""The scheduling policy: which requests run in the next step, and what their results mean.
+
+Pure: no sockets, no shared memory, no clock. ``schedule()`` returns a ``StepPlan``;
+``update(plan, sampled_ids)`` applies the worker's results for that plan. With asynchronous
+scheduling, ``schedule()`` for step N+1 runs before ``update()`` for step N: requests in step
+N have a pending token, and their rows in N+1 carry it over on the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cbpipe.scheduler.block_manager import BlockManager
+from cbpipe.scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: ``num_query_tokens`` rows starting at ``start``."""
+
+    req: Request
+    start: int  # position of the first row
+    num_query_tokens: int
+    samples: bool  # the rows reach the end of the request's tokens, so a token is sampled
+    carry_src: int | None  # seq index in the previous step whose sampled id is row 0's token
+    output_index: int  # index among the request's outputs of the token sampled here
+
+
+@dataclass
+class StepPlan:
+    """Everything the packer needs for one step; seqs of one query token come first."""
+
+    step: int
+    seqs: list[ScheduledSeq]
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.seqs)
+
+    @property
+    def num_single_token_seqs(self) -> int:
+        return sum(1 for s in self.seqs if s.num_query_tokens == 1)
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step changed for one request: new tokens, and whether it finished."""
+
+    req: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    """Continuous batching with a token budget, chunked prefill and preemption by recompute."""
+
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_batch_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._next_step = 0
+
+    # --- requests in and out ------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def cancel(self, request_id: int) -> Request | None:
+        """Finish a request now and free its blocks; its rows in a step in flight are ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_CANCELLED)
+        return req
+
+    def fail_all(self) -> list[Request]:
+        reqs = list(self.requests.values())
+        for req in reqs:
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+        return reqs
+
+    @property
+    def has_work(self) -> bool:
+        return any(self._can_schedule(r) for r in self.running) or any(
+            r.num_pending_tokens == 0 for r in self.waiting
+        )
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.requests
+
+    # --- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step. Call only when no more than one earlier step is unresolved."""
+        step = self._next_step
+        self._next_step += 1
+        budget = self.max_batch_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or not self._can_schedule(req):
+                continue
+            num_new = min(req.num_tokens_to_compute, budget)
+            if not self._reserve_blocks(req, num_new, preempted):
+                continue  # req itself was preempted
+            chosen.append((req, num_new))
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_pending_tokens:
+                break  # its last token is still on the worker; recompute starts once it is back
+            num_new = min(req.num_tokens_to_compute, budget)
+            total = req.num_computed_tokens + num_new
+            if self.blocks.num_missing_blocks(req.block_ids, total) > self.blocks.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.blocks.grow(req.block_ids, total)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen.append((req, num_new))
+            budget -= num_new
+
+        # Rows of one query token first: the worker attends to them as one decode batch.
+        chosen.sort(key=lambda item: item[1] != 1)
+        return StepPlan(step, [self._commit(req, n, i) for i, (req, n) in enumerate(chosen)],
+                        preempted)  # fmt: skip
+
+    def update(self, plan: StepPlan, sampled_ids: Sequence[int]) -> list[RequestUpdate]:
+        """Apply step ``plan``'s sampled ids (one per seq, in plan order)."""
+        updates = []
+        for index, seq in enumerate(plan.seqs):
+            req = seq.req
+            if not seq.samples:
+                continue
+            if req.is_finished:
+                continue  # finished or cancelled while this step ran: a wasted row
+            req.num_pending_tokens -= 1
+            if req.num_pending_tokens == 0:
+                req.pending_seq_index = None
+            token_id = int(sampled_ids[index])
+            req.output_token_ids.append(token_id)
+            finished_as = req.stop_reason_after(token_id)
+            if finished_as is not None:
+                self._finish(req, finished_as)
+            updates.append(RequestUpdate(req, [token_id], finished_as is not None))
+        return updates
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _can_schedule(self, req: Request) -> bool:
+        if req.num_tokens_to_compute <= 0:
+            return False
+        # Every token is computed but the last; computing it would only sample a token that
+        # the length limits already forbid.
+        decoding = req.num_tokens_to_compute == 1 and req.num_computed_tokens > 0
+        return req.may_sample_more or not decoding
+
+    def _reserve_blocks(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
+        """Grow ``req``'s table for ``num_new`` tokens, preempting the newest requests if needed."""
+        total = req.num_computed_tokens + num_new
+        while self.blocks.num_missing_blocks(req.block_ids, total) > self.blocks.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        self.blocks.grow(req.block_ids, total)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def _commit(self, req: Request, num_new: int, seq_index: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        carry_src = None
+        if req.num_pending_tokens:
+            # Only a decode row can need the pending token, and only from the previous step.
+            assert num_new == 1 and start == req.num_known_tokens
+            carry_src = req.pending_seq_index
+        req.num_computed_tokens += num_new
+        samples = req.num_computed_tokens == req.num_tokens
+        output_index = req.num_outputs_planned
+        if samples:
+            req.num_pending_tokens += 1
+            req.pending_seq_index = seq_index
+        return ScheduledSeq(req, start, num_new, samples, carry_src, output_index)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.is_finished:
+            return
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req.block_ids)
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,209 @@
+"""The client-facing half of the scheduler: validating jobs, mapping ids, replying.
+
+Clients talk to a ROUTER socket; every frame arrives with the client's identity. A job is
+known to the client by its own ``request_id`` and to the scheduler core by an engine-wide id.
+Every way a frame can be wrong ends here as an ``Error`` reply (or a dropped frame when no
+client can be named); nothing that a client sends can reach the core unvalidated.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from cbpipe.protocol.messages import (
+    Cancel,
+    Error,
+    ErrorKind,
+    Finished,
+    Hello,
+    Message,
+    ProtocolError,
+    Submit,
+    Tokens,
+    Welcome,
+    decode,
+    encode,
+    request_id_of,
+)
+from cbpipe.protocol.sampling import MAX_SEED
+from cbpipe.scheduler.core import RequestUpdate, Scheduler
+from cbpipe.scheduler.request import FINISH_REASONS, Request
+
+log = logging.getLogger("cbpipe.scheduler")
+
+
+class RequestRejected(ValueError):
+    """A job that cannot be served; the message is sent to the client as is."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_total_tokens: int  # prompt + outputs, bounded by the model and the KV cache
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Origin:
+    identity: bytes
+    client_request_id: int
+
+
+class Frontend:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        scheduler: Scheduler,
+        model: ModelInfo,
+        tokenizer: object | None,
+    ) -> None:
+        self.socket = socket
+        self.scheduler = scheduler
+        self.model = model
+        self.tokenizer = tokenizer
+        self.failure: str | None = None  # set once the engine cannot serve any more
+        self._origins: dict[int, Origin] = {}
+        self._engine_ids: dict[Origin, int] = {}
+        self._next_id = 0
+        self._handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
+            Hello: self._on_hello,
+            Submit: self._on_submit,
+            Cancel: self._on_cancel,
+        }
+
+    # --- inbound ------------------------------------------------------------------------
+
+    def receive(self) -> None:
+        """Handle one multipart frame waiting on the socket."""
+        parts = self.socket.recv_multipart(copy=True)
+        if len(parts) != 2:
+            log.debug("dropped a message of %d parts", len(parts))
+            return
+        identity, frame = parts
+        try:
+            message = decode(frame, expected=tuple(self._handlers))
+        except ProtocolError as exc:
+            self._send(identity, Error(request_id_of(frame), ErrorKind.REQUEST, str(exc)))
+            return
+        self._handlers[type(message)](identity, message)
+
+    def _on_hello(self, identity: bytes, message: Message) -> None:
+        self._send(identity, Welcome(self.model.name, self.model.vocab_size,
+                                     self.model.max_total_tokens, self.tokenizer is not None))  # fmt: skip
+
+    def _on_submit(self, identity: bytes, message: Message) -> None:
+        assert isinstance(message, Submit)
+        origin = Origin(identity, message.request_id)
+        if self.failure is not None:
+            self._send(identity, Error(message.request_id, ErrorKind.ENGINE, self.failure))
+            return
+        try:
+            req = self._make_request(origin, message)
+        except RequestRejected as exc:
+            self._send(identity, Error(message.request_id, ErrorKind.REQUEST, str(exc)))
+            return
+        self._origins[req.request_id] = origin
+        self._engine_ids[origin] = req.request_id
+        self.scheduler.add_request(req)
+
+    def _on_cancel(self, identity: bytes, message: Message) -> None:
+        assert isinstance(message, Cancel)
+        engine_id = self._engine_ids.get(Origin(identity, message.request_id))
+        if engine_id is None:
+            return  # already finished: the client has or will get its Finished
+        req = self.scheduler.cancel(engine_id)
+        if req is not None:
+            self._finish(req)
+
+    def _make_request(self, origin: Origin, message: Submit) -> Request:
+        if origin in self._engine_ids:
+            raise RequestRejected(f"request_id {message.request_id} is already in use")
+        params = message.params
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
+        prompt = self._prompt_tokens(message.prompt)
+        vocab = self.model.vocab_size
+        for token_id in params.stop_token_ids:
+            if token_id >= vocab:
+                raise RequestRejected(f"stop token id {token_id} is outside the vocabulary "
+                                      f"[0, {vocab})")  # fmt: skip
+        limit = self.model.max_total_tokens
+        if len(prompt) >= limit:
+            raise RequestRejected(
+                f"prompt of {len(prompt)} tokens is too long: this engine holds at most "
+                f"{limit} tokens per sequence, prompt and output together"
+            )
+        self._next_id += 1
+        return Request(
+            request_id=self._next_id,
+            prompt_token_ids=prompt,
+            params=params,
+            seed=params.seed if params.seed is not None else secrets.randbelow(MAX_SEED),
+            max_total_tokens=limit,
+            eos_token_ids=self.model.eos_token_ids,
+        )
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(
+                    f"model {self.model.name} has no tokenizer: send the prompt as token ids"
+                )
+            tokens = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)  # type: ignore[operator]
+        else:
+            tokens = prompt
+            vocab = self.model.vocab_size
+            bad = next((t for t in tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestRejected(f"prompt token id {bad} is outside the vocabulary "
+                                      f"[0, {vocab})")  # fmt: skip
+        if not tokens:
+            raise RequestRejected("prompt is empty")
+        return tokens
+
+    # --- outbound -----------------------------------------------------------------------
+
+    def publish(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            origin = self._origins.get(update.req.request_id)
+            if origin is None:
+                continue
+            self._send(origin.identity, Tokens(origin.client_request_id, update.new_token_ids))
+            if update.finished:
+                self._finish(update.req)
+
+    def _finish(self, req: Request) -> None:
+        origin = self._origins.pop(req.request_id, None)
+        if origin is None:
+            return
+        del self._engine_ids[origin]
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        reason = FINISH_REASONS[req.status].value
+        self._send(origin.identity, Finished(origin.client_request_id, reason, text,
+                                             req.num_prompt_tokens))  # fmt: skip
+
+    def fail_everything(self, reason: str) -> None:
+        """The engine cannot go on: every job gets an engine error, and so will new ones."""
+        self.failure = reason
+        for req in self.scheduler.fail_all():
+            origin = self._origins.pop(req.request_id, None)
+            if origin is not None:
+                del self._engine_ids[origin]
+                self._send(origin.identity,
+                           Error(origin.client_request_id, ErrorKind.ENGINE, reason))  # fmt: skip
+
+    def _send(self, identity: bytes, message: Message) -> None:
+        try:
+            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("client %s is not reading; dropped a %s", identity.hex(), message.TYPE)

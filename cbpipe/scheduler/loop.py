@@ -1,0 +1,161 @@
+"""The scheduler's process loop: moves messages, packs steps, keeps two steps in flight.
+
+Slot ownership on the scheduler side (the worker's side is in ``worker/runner.py``): the
+scheduler writes a slot's input region only while no step it sent into that slot is
+unanswered, and reads the slot's output region only after the ``StepDone`` for that step.
+Steps use the slots in turn and complete in order, so slot ``step % num_slots`` is free once
+the step sent ``num_slots`` steps ago is done; with at most two steps in flight, packing
+step N+1 overlaps the worker's step N.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from cbpipe.protocol.messages import Shutdown, StepDone, WorkerFailed, decode, encode
+from cbpipe.scheduler.core import Scheduler, StepPlan
+from cbpipe.scheduler.frontend import Frontend
+from cbpipe.scheduler.packer import BatchPacker
+
+log = logging.getLogger("cbpipe.scheduler")
+
+POLL_MS = 100
+
+
+class WorkerLost(RuntimeError):
+    pass
+
+
+@dataclass
+class InFlight:
+    plan: StepPlan
+    slot: int
+    sent_ns: int
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        packer: BatchPacker,
+        frontend: Frontend,
+        client_socket: zmq.Socket,
+        steps_socket: zmq.Socket,
+        results_socket: zmq.Socket,
+        worker_monitor: zmq.Socket,
+        sync: bool,
+        pack_delay_s: float,
+    ) -> None:
+        self.scheduler = scheduler
+        self.packer = packer
+        self.frontend = frontend
+        self.client_socket = client_socket
+        self.steps_socket = steps_socket
+        self.results_socket = results_socket
+        self.worker_monitor = worker_monitor
+        self.max_in_flight = 1 if sync else 2
+        self.pack_delay_s = pack_delay_s
+        self.in_flight: deque[InFlight] = deque()
+        self.num_slots = packer.layout.num_slots
+        self._next_slot = 0
+        self._last_slot: int | None = None
+        self.stopping = False
+        # Set when the plan came back empty (every runnable request waits on the step in
+        # flight); cleared by anything that can change that.
+        self._blocked = False
+        self.poller = zmq.Poller()
+        for socket in (client_socket, results_socket, worker_monitor):
+            self.poller.register(socket, zmq.POLLIN)
+
+    def run(self) -> None:
+        """Serve until ``stop()``; raises ``WorkerLost`` if the worker goes away."""
+        while not self.stopping:
+            if self._can_launch():
+                self._launch()
+                self._poll(timeout_ms=0)
+            else:
+                self._poll(timeout_ms=POLL_MS)
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def shutdown_worker(self) -> None:
+        try:
+            self.steps_socket.send(encode(Shutdown()), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.info("the worker is gone; no shutdown message sent")
+
+    def _can_launch(self) -> bool:
+        return (
+            not self._blocked
+            and len(self.in_flight) < self.max_in_flight
+            and self.scheduler.has_work
+        )
+
+    def _launch(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            if not self.in_flight:
+                raise RuntimeError("scheduler has work but planned an empty step with none in flight")
+            self._blocked = True  # until a step in flight comes back
+            return
+        slot = self._next_slot
+        start = time.perf_counter()
+        # The previous step in flight (if any) is the one whose sampled ids carry over.
+        previous = self._last_slot if self.in_flight else None
+        step = self.packer.pack(plan, slot, previous)
+        if self.pack_delay_s:
+            _busy_wait_until(start + self.pack_delay_s)
+        self.steps_socket.send(encode(step))
+        self.in_flight.append(InFlight(plan, slot, time.perf_counter_ns()))
+        self._last_slot = slot
+        self._next_slot = (slot + 1) % self.num_slots
+        log.debug("step %d: %d seqs, %d tokens (%d decodes) into slot %d, packed in %.2f ms",
+                  plan.step, step.num_seqs, step.num_tokens, step.num_single_token_seqs, slot,
+                  (time.perf_counter() - start) * 1e3)  # fmt: skip
+
+    def _poll(self, timeout_ms: int) -> None:
+        events = dict(self.poller.poll(timeout_ms))
+        if events:
+            self._blocked = False
+        if self.worker_monitor in events:
+            self._on_monitor_event()
+        if self.results_socket in events:
+            while self.results_socket.poll(0):
+                self._on_result(self.results_socket.recv())
+        if self.client_socket in events:
+            # Bounded, so a flood of submits cannot starve the worker of steps.
+            for _ in range(1024):
+                if not self.client_socket.poll(0):
+                    break
+                self.frontend.receive()
+
+    def _on_result(self, frame: bytes) -> None:
+        message = decode(frame, expected=(StepDone, WorkerFailed))
+        if isinstance(message, WorkerFailed):
+            raise WorkerLost(f"worker failed: {message.message}")
+        assert isinstance(message, StepDone)
+        if not self.in_flight or self.in_flight[0].plan.step != message.step:
+            raise WorkerLost(f"worker reported step {message.step} out of order")
+        done = self.in_flight.popleft()
+        sampled = self.packer.sampled_ids(done.slot, len(done.plan.seqs))
+        self.frontend.publish(self.scheduler.update(done.plan, sampled))
+        log.debug("step %d done: %.2f ms on the device, %.2f ms round trip",
+                  message.step, message.device_ms, (time.perf_counter_ns() - done.sent_ns) / 1e6)  # fmt: skip
+
+    def _on_monitor_event(self) -> None:
+        event = zmq.utils.monitor.recv_monitor_message(self.worker_monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED and not self.stopping:
+            raise WorkerLost("the worker process exited")
+
+
+def _busy_wait_until(deadline: float) -> None:
+    """Stand-in for scheduling work: keeps this process's CPU busy, as real packing would."""
+    while time.perf_counter() < deadline:
+        pass

@@ -1,0 +1,131 @@
+"""The worker process: load the model, then run every step the scheduler sends, in order.
+
+The main thread receives steps and enqueues their device work; a completion thread waits for
+each step's device-to-host copy and reports ``StepDone``. So the next step is enqueued while
+the previous one still runs, and the device never waits for the worker's Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import zmq
+
+from cbpipe.logs import setup_logging
+from cbpipe.models import resolve_model
+from cbpipe.protocol.launch import RunSpec
+from cbpipe.protocol.messages import (
+    Message,
+    Shutdown,
+    Step,
+    WorkerFailed,
+    WorkerReady,
+    decode,
+    encode,
+)
+from cbpipe.protocol.shm import AttachedSegment
+from cbpipe.worker import attention
+from cbpipe.worker.model_loader import (
+    allocate_kv_cache,
+    load_model,
+    num_kv_blocks,
+    resolve_device,
+    resolve_dtype,
+)
+from cbpipe.worker.runner import LaunchedStep, StepRunner
+
+log = logging.getLogger("cbpipe.worker")
+
+_STOP = object()
+
+
+def worker_main(spec: RunSpec, ready: Connection) -> None:
+    """Entry point of the worker process (started by the launcher)."""
+    setup_logging(spec.config.log_level, "worker")
+    context = zmq.Context()
+    steps = context.socket(zmq.PULL)
+    steps.connect(spec.addresses.worker_steps)
+    outbox: queue.Queue = queue.Queue()
+    sender = threading.Thread(
+        target=_send_completions, args=(context, spec.addresses.worker_results, outbox),
+        name="completions", daemon=True,
+    )  # fmt: skip
+    sender.start()
+    runner = segment = None
+    try:
+        runner, segment, hello = _load(spec)
+        outbox.put(hello)
+        ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
+        _serve(steps, runner, outbox)
+    except Exception as exc:
+        log.exception("worker failed")
+        outbox.put(WorkerFailed(f"{type(exc).__name__}: {exc}"))
+        if runner is None:
+            ready.send(("failed", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        outbox.put(_STOP)
+        sender.join(timeout=10)
+        if runner is not None:
+            runner.close()
+        if segment is not None:
+            segment.close()
+        steps.close(linger=0)
+        context.term()
+
+
+def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
+    config = spec.config
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if device.type == "cpu":
+        # Leave a core to the scheduler: the overlap we exist for is between processes.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    source = resolve_model(config.model.model)
+    model = load_model(source, device, dtype, seed=config.model.seed,
+                       attn_implementation=attention.register())  # fmt: skip
+    num_blocks = num_kv_blocks(model, config.cache, device, dtype)
+    kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)
+    segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
+    runner = StepRunner(model, kv_cache, spec.layout, segment.buf, device)
+    hello = WorkerReady(
+        model=source.name,
+        vocab_size=int(model.config.get_text_config().vocab_size),
+        num_blocks=num_blocks,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        eos_token_ids=source.eos_token_ids,
+    )
+    return runner, segment, hello
+
+
+def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
+    while True:
+        message = decode(steps.recv(), expected=(Step, Shutdown))
+        if isinstance(message, Shutdown):
+            log.info("shutdown requested")
+            return
+        assert isinstance(message, Step)
+        outbox.put(runner.launch(message))
+
+
+def _send_completions(context: zmq.Context, address: str, outbox: queue.Queue) -> None:
+    """Owns the results socket: reports each step once its outputs are in shared memory."""
+    results = context.socket(zmq.PUSH)
+    results.connect(address)
+    try:
+        while (item := outbox.get()) is not _STOP:
+            message: Message = item.wait() if isinstance(item, LaunchedStep) else item
+            results.send(encode(message))
+    except Exception as exc:
+        log.exception("step failed on the device")
+        results.send(encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        results.close(linger=1000)
+        os._exit(1)  # the main thread may be blocked on a receive; the launcher notices
+    results.close(linger=1000)
