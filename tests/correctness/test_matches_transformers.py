@@ -1,0 +1,134 @@
+"""The engine's tokens against transformers' ``generate``, in one process on the CPU.
+
+The scheduler core, the packer and the worker's step runner run in the engine's own call
+order (see ``tests/harness.py``), with many requests of mixed lengths, chunked prefill, a
+small token budget and few sequences per step, so that every step mixes prefill chunks with
+decodes and carries tokens over.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
+from cbpipe.protocol.sampling import SamplingParams
+from tests.harness import InProcessEngine, reference_greedy
+
+QWEN = "random:qwen2-tiny"
+EMBEDDED = "default"
+
+needs_embedded = pytest.mark.skipif(
+    not (EMBEDDED_MODEL_DIR / "config.json").exists(), reason="embedded model not built"
+)
+
+
+def _prompts(rng: random.Random, vocab: int, count: int, longest: int) -> list[list[int]]:
+    lengths = [1, 2, longest] + [rng.randint(1, longest) for _ in range(count - 3)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _check_against_reference(engine: InProcessEngine, name: str, prompts: list[list[int]],
+                             params: list[SamplingParams], eos: list[int] | None,
+                             mode: str = "async") -> None:  # fmt: skip
+    outputs = engine.generate(prompts, params, mode=mode, rng=random.Random(7))
+    for prompt, sp, output in zip(prompts, params, outputs, strict=True):
+        expected = reference_greedy(name, prompt, sp.max_new_tokens, eos)
+        assert output == expected, f"prompt of {len(prompt)} tokens"
+    assert engine.blocks.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_random_qwen2_matches_generate(mode: str) -> None:
+    rng = random.Random(1)
+    prompts = _prompts(rng, 512, count=24, longest=400)
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 24)) for _ in prompts]
+    engine = InProcessEngine(QWEN, max_batch_tokens=96, max_num_seqs=8)
+    _check_against_reference(engine, QWEN, prompts, params, eos=None, mode=mode)
+
+
+def test_random_qwen2_stops_at_eos() -> None:
+    # Random weights rarely emit the configured EOS, so declare as EOS tokens that the
+    # reference run shows this model does emit; both sides then stop at them.
+    rng = random.Random(2)
+    prompts = _prompts(rng, 512, count=12, longest=200)
+    free_runs = [reference_greedy(QWEN, p, 12, None) for p in prompts]
+    eos = sorted({run[5] for run in free_runs[:4]})
+    params = [SamplingParams(max_new_tokens=12) for _ in prompts]
+    engine = InProcessEngine(QWEN, max_batch_tokens=64, max_num_seqs=6,
+                             eos_token_ids=frozenset(eos))  # fmt: skip
+    outputs = engine.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == reference_greedy(QWEN, prompt, 12, eos)
+    assert any(len(o) < 12 for o in outputs), "no request stopped at EOS"
+
+
+@needs_embedded
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_embedded_model_matches_generate(ignore_eos: bool) -> None:
+    source = resolve_model(EMBEDDED)
+    eos = source.eos_token_ids
+    vocab = source.config.vocab_size
+    rng = random.Random(3)
+    prompts = _prompts(rng, vocab, count=24, longest=500)
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 48), ignore_eos=ignore_eos)
+              for _ in prompts]  # fmt: skip
+    engine = InProcessEngine(EMBEDDED, max_batch_tokens=128, max_num_seqs=10,
+                             eos_token_ids=frozenset(eos))  # fmt: skip
+    _check_against_reference(engine, EMBEDDED, prompts, params,
+                             eos=None if ignore_eos else eos)  # fmt: skip
+
+
+def test_async_sync_and_random_interleaving_agree_on_seeded_sampling() -> None:
+    rng = random.Random(4)
+    prompts = _prompts(rng, 512, count=16, longest=120)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=i)
+              for i in range(len(prompts))]  # fmt: skip
+    runs = {
+        mode: InProcessEngine(QWEN, max_batch_tokens=64, max_num_seqs=6).generate(
+            prompts, params, mode=mode, rng=random.Random(5)
+        )
+        for mode in ("async", "sync", "random")
+    }
+    assert runs["async"] == runs["sync"] == runs["random"]
+    alone = [InProcessEngine(QWEN).generate([p], [sp])[0]
+             for p, sp in list(zip(prompts, params))[:4]]  # fmt: skip
+    assert alone == runs["async"][:4]
+    greedy = InProcessEngine(QWEN).generate(prompts[:4], [SamplingParams(20)] * 4)
+    assert greedy != runs["async"][:4], "sampling at temperature 0.9 looked greedy"
+
+
+def test_preemption_under_small_cache_keeps_reference_outputs() -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(20, 70))] for _ in range(10)]
+    params = [SamplingParams(max_new_tokens=40) for _ in prompts]
+    # 14 blocks of 8 tokens hold 112 tokens: two or three requests at a time at most.
+    engine = InProcessEngine(QWEN, num_blocks=14, block_size=8, max_num_seqs=8,
+                             max_batch_tokens=64, max_model_len=112)  # fmt: skip
+    reqs = [engine.add(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    engine.run(mode="async")
+    assert sum(r.num_preemptions for r in reqs) > 0, "the cache was never short"
+    for req in reqs:
+        assert req.output_token_ids == reference_greedy(QWEN, req.prompt_token_ids, 40, None)
+    assert engine.blocks.num_free_blocks == engine.num_blocks
+
+
+def test_random_arrivals_interleaving_and_cancellation() -> None:
+    """Many steps, requests arriving at random steps, random async/sync, random cancels."""
+    rng = random.Random(6)
+    arrivals: dict[int, list[tuple[list[int], SamplingParams]]] = {}
+    for _ in range(30):
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 150))]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 30))
+        arrivals.setdefault(rng.randint(1, 60), []).append((prompt, params))
+    engine = InProcessEngine(QWEN, num_blocks=40, block_size=8, max_num_seqs=5,
+                             max_batch_tokens=48, max_model_len=200)  # fmt: skip
+    reqs = engine.run(mode="random", rng=rng, arrivals=arrivals, cancel_probability=0.03)
+    assert len(reqs) == 30
+    finished = [r for r in reqs if r.status.name != "FINISHED_CANCELLED"]
+    assert len(finished) < 30, "nothing was cancelled"
+    for req in finished:
+        expected = reference_greedy(QWEN, req.prompt_token_ids, req.params.max_new_tokens, None)
+        assert req.output_token_ids == expected
+    assert engine.blocks.num_free_blocks == engine.num_blocks

@@ -1,0 +1,138 @@
+"""Drive the scheduler core, the packer and the worker's step runner in one process.
+
+No sockets and no shared memory segment: a bytearray stands in for the slots. The order of
+calls is the engine's own: in asynchronous mode step N+1 is scheduled and packed before step
+N's results are applied, so carry-over, pending tokens and slot reuse are exercised exactly as
+the processes exercise them, only faster and deterministically.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+
+from cbpipe.models import resolve_model
+from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.slots import SlotLayout, SlotLimits
+from cbpipe.scheduler.block_manager import BlockManager
+from cbpipe.scheduler.core import Scheduler, StepPlan
+from cbpipe.scheduler.packer import BatchPacker
+from cbpipe.scheduler.request import Request
+from cbpipe.worker import attention
+from cbpipe.worker.model_loader import allocate_kv_cache, load_model
+from cbpipe.worker.runner import StepRunner
+
+CPU = torch.device("cpu")
+
+
+@cache
+def paged_model(name: str) -> torch.nn.Module:
+    return load_model(resolve_model(name), CPU, torch.float32,
+                      attn_implementation=attention.register())  # fmt: skip
+
+
+@cache
+def reference_model(name: str) -> torch.nn.Module:
+    return load_model(resolve_model(name), CPU, torch.float32, attn_implementation="sdpa")
+
+
+def reference_greedy(name: str, prompt: list[int], max_new_tokens: int,
+                     eos_token_ids: list[int] | None) -> list[int]:  # fmt: skip
+    """What transformers' ``generate`` returns for one prompt, greedy, float32 on the CPU."""
+    model = reference_model(name)
+    output = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_ids or None,
+        pad_token_id=0,
+    )
+    return output[0, len(prompt) :].tolist()
+
+
+@dataclass
+class InProcessEngine:
+    model_name: str
+    num_blocks: int = 256
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_batch_tokens: int = 128
+    max_model_len: int = 1024
+    eos_token_ids: frozenset[int] = frozenset()
+    scheduler: Scheduler = field(init=False)
+    _next_id: int = 0
+
+    def __post_init__(self) -> None:
+        model = paged_model(self.model_name)
+        limits = SlotLimits(self.max_batch_tokens, self.max_num_seqs,
+                            -(-self.max_model_len // self.block_size))  # fmt: skip
+        self.layout = SlotLayout.build(limits)
+        self.segment = memoryview(bytearray(self.layout.segment_nbytes))
+        self.blocks = BlockManager(self.num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=self.max_num_seqs,
+                                   max_batch_tokens=self.max_batch_tokens)  # fmt: skip
+        self.packer = BatchPacker(self.segment, self.layout, self.block_size)
+        kv = allocate_kv_cache(model, self.num_blocks, self.block_size, CPU, torch.float32)
+        self.runner = StepRunner(model, kv, self.layout, self.segment, CPU)
+
+    def add(self, prompt: list[int], params: SamplingParams) -> Request:
+        self._next_id += 1
+        req = Request(
+            request_id=self._next_id,
+            prompt_token_ids=list(prompt),
+            params=params,
+            seed=params.seed if params.seed is not None else self._next_id,
+            max_total_tokens=min(self.max_model_len, self.num_blocks * self.block_size),
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(req)
+        return req
+
+    def run(self, *, mode: str = "async", rng: random.Random | None = None,
+            arrivals: dict[int, list[tuple[list[int], SamplingParams]]] | None = None,
+            cancel_probability: float = 0.0, max_steps: int = 100_000) -> list[Request]:  # fmt: skip
+        """Run until idle. ``mode`` "random" flips between async and sync at every step.
+
+        ``arrivals`` maps a step number to requests submitted just before it.
+        """
+        rng = rng or random.Random(0)
+        arrivals = dict(arrivals or {})
+        added: list[Request] = []
+        in_flight: deque[tuple[StepPlan, int]] = deque()
+        slot, steps = 0, 0
+        while self.scheduler.requests or in_flight or arrivals:
+            steps += 1
+            assert steps < max_steps, "engine made no progress"
+            for prompt, params in arrivals.pop(steps, []):
+                added.append(self.add(prompt, params))
+            if not arrivals and not self.scheduler.requests and not in_flight:
+                break
+            depth = 2 if mode == "async" or (mode == "random" and rng.random() < 0.5) else 1
+            if len(in_flight) < depth and self.scheduler.has_work:
+                plan = self.scheduler.schedule()
+                if plan.seqs:
+                    previous = in_flight[-1][1] if in_flight else None
+                    step = self.packer.pack(plan, slot, previous)
+                    self.runner.launch(step).wait()
+                    in_flight.append((plan, slot))
+                    slot = (slot + 1) % self.layout.num_slots
+                    if len(in_flight) < depth:
+                        continue
+            if in_flight:
+                plan, done_slot = in_flight.popleft()
+                sampled = self.packer.sampled_ids(done_slot, len(plan.seqs))
+                self.scheduler.update(plan, sampled)
+            if cancel_probability and self.scheduler.requests and rng.random() < cancel_probability:
+                self.scheduler.cancel(rng.choice(list(self.scheduler.requests)))
+        return added
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 mode: str = "async", rng: random.Random | None = None) -> list[list[int]]:  # fmt: skip
+        reqs = [self.add(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        self.run(mode=mode, rng=rng)
+        return [r.output_token_ids for r in reqs]
