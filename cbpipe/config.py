@@ -42,7 +42,9 @@ class CacheConfig:
     kv_cache_memory_fraction: float = _opt(
         0.85, "share of the device memory left after loading the model that the KV cache takes"
     )
-    cpu_kv_cache_gib: float = _opt(1.0, "KV-cache size on the CPU device when --num-blocks is unset")
+    cpu_kv_cache_gib: float = _opt(
+        1.0, "KV-cache size on the CPU device when --num-blocks is unset"
+    )
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,19 @@ class EngineConfig:
         s, c = self.scheduler, self.cache
         checks = [
             (s.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
-            (s.max_batch_tokens >= s.max_num_seqs,
-             "--max-batch-tokens must be >= --max-num-seqs (every sequence needs a row)"),
+            (
+                s.max_batch_tokens >= s.max_num_seqs,
+                "--max-batch-tokens must be >= --max-num-seqs (every sequence needs a row)",
+            ),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
             (c.block_size >= 1, "--block-size must be >= 1"),
             (c.num_blocks is None or c.num_blocks >= 1, "--num-blocks must be >= 1"),
             (0 < c.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction must be in (0, 1]"),
-            (self.model.max_model_len is None or self.model.max_model_len >= 2,
-             "--max-model-len must be >= 2"),
-        ]  # fmt: skip
+            (
+                self.model.max_model_len is None or self.model.max_model_len >= 2,
+                "--max-model-len must be >= 2",
+            ),
+        ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -103,7 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per leaf field of ``EngineConfig``; names are unique across groups."""
     for path, (f, hint) in _leaf_fields(EngineConfig):
         flag = "--" + path[-1].replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": "__".join(path), "default": f.default, "help": f.metadata["help"]}
+        kwargs: dict[str, Any] = {
+            "dest": "__".join(path),
+            "default": f.default,
+            "help": f.metadata["help"],
+        }
         base = _strip_optional(hint)
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

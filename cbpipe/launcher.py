@@ -91,9 +91,11 @@ class Launcher:
             children = self._start_children(spec)
             if self.stop_requested:
                 return 0
-            print(f"cbpipe ready address={spec.addresses.client} "
-                  f"scheduler={children['scheduler'].pid} worker={children['worker'].pid}",
-                  flush=True)  # fmt: skip
+            print(
+                f"cbpipe ready address={spec.addresses.client} "
+                f"scheduler={children['scheduler'].pid} worker={children['worker'].pid}",
+                flush=True,
+            )
             return self._watch(children)
         except LaunchError as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)
@@ -126,8 +128,9 @@ class Launcher:
         waiting = dict(pipes)
         while waiting and not self.stop_requested:
             if time.monotonic() > deadline:
-                raise LaunchError(f"{', '.join(waiting)} not ready within "
-                                  f"{spec.config.ready_timeout_s:.0f} s")  # fmt: skip
+                raise LaunchError(
+                    f"{', '.join(waiting)} not ready within {spec.config.ready_timeout_s:.0f} s"
+                )
             for conn in mp.connection.wait(list(waiting.values()), timeout=0.2):
                 name = next(n for n, c in waiting.items() if c is conn)
                 status, detail = _read_status(conn)
@@ -143,8 +146,9 @@ class Launcher:
             for sentinel in mp.connection.wait(list(sentinels), timeout=0.2):
                 name = sentinels[sentinel]
                 code = children[name].exitcode
-                print(f"cbpipe-launch: the {name} exited unexpectedly (code {code})",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"cbpipe-launch: the {name} exited unexpectedly (code {code})", file=sys.stderr
+                )
                 return 1
         log.info("stopping")
         return 0

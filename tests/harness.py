@@ -31,8 +31,9 @@ CPU = torch.device("cpu")
 
 @cache
 def paged_model(name: str) -> torch.nn.Module:
-    return load_model(resolve_model(name), CPU, torch.float32,
-                      attn_implementation=attention.register())  # fmt: skip
+    return load_model(
+        resolve_model(name), CPU, torch.float32, attn_implementation=attention.register()
+    )
 
 
 @cache
@@ -40,8 +41,9 @@ def reference_model(name: str) -> torch.nn.Module:
     return load_model(resolve_model(name), CPU, torch.float32, attn_implementation="sdpa")
 
 
-def reference_greedy(name: str, prompt: list[int], max_new_tokens: int,
-                     eos_token_ids: list[int] | None) -> list[int]:  # fmt: skip
+def reference_greedy(
+    name: str, prompt: list[int], max_new_tokens: int, eos_token_ids: list[int] | None
+) -> list[int]:
     """What transformers' ``generate`` returns for one prompt, greedy, float32 on the CPU."""
     model = reference_model(name)
     output = model.generate(
@@ -69,13 +71,15 @@ class InProcessEngine:
 
     def __post_init__(self) -> None:
         model = paged_model(self.model_name)
-        limits = SlotLimits(self.max_batch_tokens, self.max_num_seqs,
-                            -(-self.max_model_len // self.block_size))  # fmt: skip
+        limits = SlotLimits(
+            self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
+        )
         self.layout = SlotLayout.build(limits)
         self.segment = memoryview(bytearray(self.layout.segment_nbytes))
         self.blocks = BlockManager(self.num_blocks, self.block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=self.max_num_seqs,
-                                   max_batch_tokens=self.max_batch_tokens)  # fmt: skip
+        self.scheduler = Scheduler(
+            self.blocks, max_num_seqs=self.max_num_seqs, max_batch_tokens=self.max_batch_tokens
+        )
         self.packer = BatchPacker(self.segment, self.layout, self.block_size)
         kv = allocate_kv_cache(model, self.num_blocks, self.block_size, CPU, torch.float32)
         self.runner = StepRunner(model, kv, self.layout, self.segment, CPU)
@@ -93,9 +97,15 @@ class InProcessEngine:
         self.scheduler.add_request(req)
         return req
 
-    def run(self, *, mode: str = "async", rng: random.Random | None = None,
-            arrivals: dict[int, list[tuple[list[int], SamplingParams]]] | None = None,
-            cancel_probability: float = 0.0, max_steps: int = 100_000) -> list[Request]:  # fmt: skip
+    def run(
+        self,
+        *,
+        mode: str = "async",
+        rng: random.Random | None = None,
+        arrivals: dict[int, list[tuple[list[int], SamplingParams]]] | None = None,
+        cancel_probability: float = 0.0,
+        max_steps: int = 100_000,
+    ) -> list[Request]:
         """Run until idle. ``mode`` "random" flips between async and sync at every step.
 
         ``arrivals`` maps a step number to requests submitted just before it.
@@ -131,8 +141,13 @@ class InProcessEngine:
                 self.scheduler.cancel(rng.choice(list(self.scheduler.requests)))
         return added
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 mode: str = "async", rng: random.Random | None = None) -> list[list[int]]:  # fmt: skip
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        mode: str = "async",
+        rng: random.Random | None = None,
+    ) -> list[list[int]]:
         reqs = [self.add(p, sp) for p, sp in zip(prompts, params, strict=True)]
         self.run(mode=mode, rng=rng)
         return [r.output_token_ids for r in reqs]

@@ -8,12 +8,13 @@ away, and every unfinished job then fails with ``EngineError`` instead of waitin
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -89,11 +90,7 @@ class Job:
         seen = 0
         while True:
             with self._changed:
-                ready = self._changed.wait_for(
-                    lambda: len(self._tokens) > seen or self._result is not None
-                    or self._error is not None,
-                    timeout,
-                )  # fmt: skip
+                ready = self._changed.wait_for(self._news_after(seen), timeout)
                 if not ready:
                     raise TimeoutError(f"job {self.request_id}: no token for {timeout} s")
                 new, seen = self._tokens[seen:], len(self._tokens)
@@ -103,6 +100,12 @@ class Job:
                 raise error
             if over and seen == len(self._tokens):
                 return
+
+    def _news_after(self, seen: int) -> Callable[[], bool]:
+        def news() -> bool:
+            return len(self._tokens) > seen or self._result is not None or self._error is not None
+
+        return news
 
     def cancel(self) -> None:
         """Ask the engine to stop this job; ``result()`` then reports ``"cancelled"``."""
@@ -116,8 +119,9 @@ class Job:
 
     def _finish(self, message: Finished) -> None:
         with self._changed:
-            self._result = Result(list(self._tokens), message.text, message.finish_reason,
-                                  message.num_prompt_tokens)  # fmt: skip
+            self._result = Result(
+                list(self._tokens), message.text, message.finish_reason, message.num_prompt_tokens
+            )
             self._changed.notify_all()
 
     def _fail(self, error: Exception) -> None:
@@ -186,8 +190,9 @@ class Client:
         ignore_eos: bool = False,
     ) -> Job:
         """Queue one job; invalid parameters raise ``RequestError`` here or from the job."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed,
-                                tuple(stop_token_ids), ignore_eos)  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids), ignore_eos
+        )
         try:
             params.validate()
         except ValueError as exc:
@@ -199,8 +204,10 @@ class Client:
         job = Job(next(self._ids), self)
         frame = encode(Submit(job.request_id, prompt, params))
         if len(frame) > MAX_FRAME_BYTES:
-            raise RequestError(f"request of {len(frame)} bytes exceeds the engine's frame "
-                               f"limit of {MAX_FRAME_BYTES} bytes")  # fmt: skip
+            raise RequestError(
+                f"request of {len(frame)} bytes exceeds the engine's frame "
+                f"limit of {MAX_FRAME_BYTES} bytes"
+            )
         with self._jobs_lock:
             self._check_usable()
             self._jobs[job.request_id] = job
@@ -256,10 +263,8 @@ class Client:
         while not self._closing:
             events = dict(poller.poll())
             if self._wake_read in events:
-                try:
+                with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 65536)
-                except BlockingIOError:
-                    pass
                 while not self._outbox.empty():
                     self._socket.send(self._outbox.get())
             if self._monitor in events:

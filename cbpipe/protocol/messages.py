@@ -30,7 +30,7 @@ class ProtocolError(ValueError):
     """A frame that cannot be decoded or does not match its message type."""
 
 
-class ErrorKind(str, enum.Enum):
+class ErrorKind(enum.StrEnum):
     REQUEST = "request"  # the request was invalid; nothing else is affected
     ENGINE = "engine"  # the engine failed or is gone
 
@@ -180,10 +180,20 @@ class WorkerFailed(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, Welcome, Submit, Cancel, Tokens, Finished, Error,
-        WorkerReady, Step, StepDone, Shutdown, WorkerFailed,
+        Hello,
+        Welcome,
+        Submit,
+        Cancel,
+        Tokens,
+        Finished,
+        Error,
+        WorkerReady,
+        Step,
+        StepDone,
+        Shutdown,
+        WorkerFailed,
     )
-}  # fmt: skip
+}
 
 
 def encode(message: Message) -> bytes:
@@ -203,7 +213,9 @@ def decode(frame: bytes, expected: tuple[type[Message], ...] | None = None) -> M
         raise ProtocolError(f"a frame must be a map, got {type(raw).__name__}")
     version = raw.pop("v", None)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r}, expected {PROTOCOL_VERSION}")
+        raise ProtocolError(
+            f"unsupported protocol version {version!r}, expected {PROTOCOL_VERSION}"
+        )
     type_name = raw.pop("type", None)
     cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
     if cls is None or (expected is not None and cls not in expected):

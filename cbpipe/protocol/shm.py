@@ -9,6 +9,7 @@ exits, or warns about a "leak" that is not one. Linux only, like the CUDA server
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -30,10 +31,8 @@ def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
 
 def remove_segment(segment: shared_memory.SharedMemory) -> None:
     segment.close()
-    try:
+    with contextlib.suppress(FileNotFoundError):
         segment.unlink()
-    except FileNotFoundError:
-        pass
 
 
 class AttachedSegment:
@@ -54,9 +53,7 @@ class AttachedSegment:
 
     def close(self) -> None:
         self.buf.release()
-        try:
+        # Arrays over the mapping may still be referenced (say, by a traceback); then the
+        # mapping goes with the process, and the launcher unlinks the segment.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:
-            # Arrays over the mapping are still referenced (say, by a traceback); the
-            # mapping goes with the process, and the launcher unlinks the segment.
-            pass

@@ -57,34 +57,80 @@ def _seqs(limits: SlotLimits) -> int:
 
 
 FIELDS: tuple[FieldSpec, ...] = (
-    FieldSpec("header", "int64", lambda _: len(HEADER_FIELDS), "input",
-              "step number and sizes, repeated from the Step message to detect a stale slot"),
-    FieldSpec("input_ids", "int64", _tokens, "input",
-              "token id per row; ignored where carry_mask is set"),
+    FieldSpec(
+        "header",
+        "int64",
+        lambda _: len(HEADER_FIELDS),
+        "input",
+        "step number and sizes, repeated from the Step message to detect a stale slot",
+    ),
+    FieldSpec(
+        "input_ids", "int64", _tokens, "input", "token id per row; ignored where carry_mask is set"
+    ),
     FieldSpec("positions", "int64", _tokens, "input", "position of each row in its sequence"),
-    FieldSpec("slot_mapping", "int64", _tokens, "input",
-              "flat KV-cache index (block * block_size + offset) each row writes"),
+    FieldSpec(
+        "slot_mapping",
+        "int64",
+        _tokens,
+        "input",
+        "flat KV-cache index (block * block_size + offset) each row writes",
+    ),
     FieldSpec("token_seq", "int32", _tokens, "input", "sequence index of each row"),
-    FieldSpec("carry_mask", "bool", _tokens, "input",
-              "row takes its token from the previous step's sampled ids"),
-    FieldSpec("carry_src", "int32", _tokens, "input",
-              "sequence index in the previous step whose sampled id this row takes"),
-    FieldSpec("query_start", "int32", lambda lim: lim.max_seqs + 1, "input",
-              "row offset of each sequence; sequence s has rows [query_start[s], [s+1])"),
-    FieldSpec("context_lens", "int32", _seqs, "input",
-              "KV length of each sequence once this step's rows are written"),
+    FieldSpec(
+        "carry_mask",
+        "bool",
+        _tokens,
+        "input",
+        "row takes its token from the previous step's sampled ids",
+    ),
+    FieldSpec(
+        "carry_src",
+        "int32",
+        _tokens,
+        "input",
+        "sequence index in the previous step whose sampled id this row takes",
+    ),
+    FieldSpec(
+        "query_start",
+        "int32",
+        lambda lim: lim.max_seqs + 1,
+        "input",
+        "row offset of each sequence; sequence s has rows [query_start[s], [s+1])",
+    ),
+    FieldSpec(
+        "context_lens",
+        "int32",
+        _seqs,
+        "input",
+        "KV length of each sequence once this step's rows are written",
+    ),
     FieldSpec("temperature", "float32", _seqs, "input", "0 means greedy"),
     FieldSpec("top_p", "float32", _seqs, "input", "nucleus mass; 1 keeps all"),
     FieldSpec("top_k", "int32", _seqs, "input", "0 keeps all"),
     FieldSpec("seed", "int64", _seqs, "input", "per-request sampling seed"),
-    FieldSpec("output_index", "int32", _seqs, "input",
-              "index among the request's outputs of the token sampled here (keys the RNG)"),
-    FieldSpec("block_tables", "int32", lambda lim: lim.max_seqs * lim.max_blocks_per_seq,
-              "input", "row-major [num_seqs, block_table_width] KV block ids"),
+    FieldSpec(
+        "output_index",
+        "int32",
+        _seqs,
+        "input",
+        "index among the request's outputs of the token sampled here (keys the RNG)",
+    ),
+    FieldSpec(
+        "block_tables",
+        "int32",
+        lambda lim: lim.max_seqs * lim.max_blocks_per_seq,
+        "input",
+        "row-major [num_seqs, block_table_width] KV block ids",
+    ),
     FieldSpec("sampled_ids", "int64", _seqs, "output", "token sampled for each sequence"),
-    FieldSpec("sampled_logprobs", "float32", _seqs, "output",
-              "log-probability of the sampled token under the unmodified distribution"),
-)  # fmt: skip
+    FieldSpec(
+        "sampled_logprobs",
+        "float32",
+        _seqs,
+        "output",
+        "log-probability of the sampled token under the unmodified distribution",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -154,8 +200,6 @@ def numpy_views(buffer: memoryview, layout: SlotLayout, slot: int) -> dict[str, 
     """Writable numpy arrays over one slot's fields (full capacity, flat)."""
     base = layout.slot_offset(slot)
     return {
-        name: np.frombuffer(
-            buffer, dtype=f.spec.dtype, count=f.length, offset=base + f.offset
-        )
+        name: np.frombuffer(buffer, dtype=f.spec.dtype, count=f.length, offset=base + f.offset)
         for name, f in layout.fields.items()
     }

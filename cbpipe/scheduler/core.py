@@ -136,8 +136,9 @@ class Scheduler:
 
         # Rows of one query token first: the worker attends to them as one decode batch.
         chosen.sort(key=lambda item: item[1] != 1)
-        return StepPlan(step, [self._commit(req, n, i) for i, (req, n) in enumerate(chosen)],
-                        preempted)  # fmt: skip
+        return StepPlan(
+            step, [self._commit(req, n, i) for i, (req, n) in enumerate(chosen)], preempted
+        )
 
     def update(self, plan: StepPlan, sampled_ids: Sequence[int]) -> list[RequestUpdate]:
         """Apply step ``plan``'s sampled ids (one per seq, in plan order)."""

@@ -94,8 +94,15 @@ class Frontend:
         self._handlers[type(message)](identity, message)
 
     def _on_hello(self, identity: bytes, message: Message) -> None:
-        self._send(identity, Welcome(self.model.name, self.model.vocab_size,
-                                     self.model.max_total_tokens, self.tokenizer is not None))  # fmt: skip
+        self._send(
+            identity,
+            Welcome(
+                self.model.name,
+                self.model.vocab_size,
+                self.model.max_total_tokens,
+                self.tokenizer is not None,
+            ),
+        )
 
     def _on_submit(self, identity: bytes, message: Message) -> None:
         assert isinstance(message, Submit)
@@ -133,8 +140,9 @@ class Frontend:
         vocab = self.model.vocab_size
         for token_id in params.stop_token_ids:
             if token_id >= vocab:
-                raise RequestRejected(f"stop token id {token_id} is outside the vocabulary "
-                                      f"[0, {vocab})")  # fmt: skip
+                raise RequestRejected(
+                    f"stop token id {token_id} is outside the vocabulary [0, {vocab})"
+                )
         limit = self.model.max_total_tokens
         if len(prompt) >= limit:
             raise RequestRejected(
@@ -163,8 +171,9 @@ class Frontend:
             vocab = self.model.vocab_size
             bad = next((t for t in tokens if not 0 <= t < vocab), None)
             if bad is not None:
-                raise RequestRejected(f"prompt token id {bad} is outside the vocabulary "
-                                      f"[0, {vocab})")  # fmt: skip
+                raise RequestRejected(
+                    f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+                )
         if not tokens:
             raise RequestRejected("prompt is empty")
         return tokens
@@ -189,8 +198,9 @@ class Frontend:
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
         reason = FINISH_REASONS[req.status].value
-        self._send(origin.identity, Finished(origin.client_request_id, reason, text,
-                                             req.num_prompt_tokens))  # fmt: skip
+        self._send(
+            origin.identity, Finished(origin.client_request_id, reason, text, req.num_prompt_tokens)
+        )
 
     def fail_everything(self, reason: str) -> None:
         """The engine cannot go on: every job gets an engine error, and so will new ones."""
@@ -199,8 +209,9 @@ class Frontend:
             origin = self._origins.pop(req.request_id, None)
             if origin is not None:
                 del self._engine_ids[origin]
-                self._send(origin.identity,
-                           Error(origin.client_request_id, ErrorKind.ENGINE, reason))  # fmt: skip
+                self._send(
+                    origin.identity, Error(origin.client_request_id, ErrorKind.ENGINE, reason)
+                )
 
     def _send(self, identity: bytes, message: Message) -> None:
         try:

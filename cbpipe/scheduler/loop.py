@@ -102,7 +102,9 @@ class EngineLoop:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             if not self.in_flight:
-                raise RuntimeError("scheduler has work but planned an empty step with none in flight")
+                raise RuntimeError(
+                    "scheduler has work but planned an empty step with none in flight"
+                )
             self._blocked = True  # until a step in flight comes back
             return
         slot = self._next_slot
@@ -116,9 +118,15 @@ class EngineLoop:
         self.in_flight.append(InFlight(plan, slot, time.perf_counter_ns()))
         self._last_slot = slot
         self._next_slot = (slot + 1) % self.num_slots
-        log.debug("step %d: %d seqs, %d tokens (%d decodes) into slot %d, packed in %.2f ms",
-                  plan.step, step.num_seqs, step.num_tokens, step.num_single_token_seqs, slot,
-                  (time.perf_counter() - start) * 1e3)  # fmt: skip
+        log.debug(
+            "step %d: %d seqs, %d tokens (%d decodes) into slot %d, packed in %.2f ms",
+            plan.step,
+            step.num_seqs,
+            step.num_tokens,
+            step.num_single_token_seqs,
+            slot,
+            (time.perf_counter() - start) * 1e3,
+        )
 
     def _poll(self, timeout_ms: int) -> None:
         events = dict(self.poller.poll(timeout_ms))
@@ -146,8 +154,12 @@ class EngineLoop:
         done = self.in_flight.popleft()
         sampled = self.packer.sampled_ids(done.slot, len(done.plan.seqs))
         self.frontend.publish(self.scheduler.update(done.plan, sampled))
-        log.debug("step %d done: %.2f ms on the device, %.2f ms round trip",
-                  message.step, message.device_ms, (time.perf_counter_ns() - done.sent_ns) / 1e6)  # fmt: skip
+        log.debug(
+            "step %d done: %.2f ms on the device, %.2f ms round trip",
+            message.step,
+            message.device_ms,
+            (time.perf_counter_ns() - done.sent_ns) / 1e6,
+        )
 
     def _on_monitor_event(self) -> None:
         event = zmq.utils.monitor.recv_monitor_message(self.worker_monitor)

@@ -43,8 +43,7 @@ class BatchPacker:
             views["positions"][row:end] = positions
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             views["slot_mapping"][row:end] = (
-                blocks[positions // self.block_size] * self.block_size
-                + positions % self.block_size
+                blocks[positions // self.block_size] * self.block_size + positions % self.block_size
             )
             views["token_seq"][row:end] = index
             views["carry_mask"][row:end] = False

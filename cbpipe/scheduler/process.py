@@ -90,12 +90,20 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         eos_token_ids=frozenset(hello.eos_token_ids),
     )
     blocks = BlockManager(hello.num_blocks, config.cache.block_size)
-    scheduler = Scheduler(blocks, max_num_seqs=config.scheduler.max_num_seqs,
-                          max_batch_tokens=config.scheduler.max_batch_tokens)  # fmt: skip
+    scheduler = Scheduler(
+        blocks,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_batch_tokens=config.scheduler.max_batch_tokens,
+    )
     packer = BatchPacker(segment.buf, spec.layout, config.cache.block_size)
     frontend = Frontend(sockets["clients"], scheduler, model, tokenizer)
-    log.info("serving %s (%s on %s), %d KV blocks", hello.model, hello.dtype, hello.device,
-             hello.num_blocks)  # fmt: skip
+    log.info(
+        "serving %s (%s on %s), %d KV blocks",
+        hello.model,
+        hello.dtype,
+        hello.device,
+        hello.num_blocks,
+    )
     return EngineLoop(
         scheduler=scheduler,
         packer=packer,

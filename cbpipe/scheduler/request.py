@@ -24,7 +24,7 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
@@ -44,8 +44,11 @@ class Request:
     """One generation job.
 
     Token accounting with steps in flight: ``num_tokens`` counts prompt tokens, known outputs
-    and outputs sampled by steps still running on the worker (``num_pending_tokens``). ``num_computed_tokens`` counts tokens whose KV entries are written or will be by a
-    step already sent, so the scheduler can plan the next step before the last one is back.
+    and outputs sampled by steps still running on the worker (``num_pending_tokens``).
+    ``num_computed_tokens`` counts tokens whose KV entries are written, or will be by a step
+    already sent, so the scheduler can plan the next step before the last one is back. While
+    step N+1 is planned and step N is not yet applied, a decoding request has two pending
+    tokens; when a step is planned, only the previous step's token can still be pending.
     """
 
     request_id: int

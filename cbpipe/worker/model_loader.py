@@ -94,5 +94,3 @@ def allocate_kv_cache(
     values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
     log.info("KV cache: %d blocks of %d tokens, %s per layer", num_blocks, block_size, shape)
     return KVCache(keys, values, block_size)
-
-

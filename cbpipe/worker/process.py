@@ -53,9 +53,11 @@ def worker_main(spec: RunSpec, ready: Connection) -> None:
     steps.connect(spec.addresses.worker_steps)
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(
-        target=_send_completions, args=(context, spec.addresses.worker_results, outbox),
-        name="completions", daemon=True,
-    )  # fmt: skip
+        target=_send_completions,
+        args=(context, spec.addresses.worker_results, outbox),
+        name="completions",
+        daemon=True,
+    )
     sender.start()
     runner = segment = None
     try:
@@ -88,8 +90,9 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         # Leave a core to the scheduler: the overlap we exist for is between processes.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     source = resolve_model(config.model.model)
-    model = load_model(source, device, dtype, seed=config.model.seed,
-                       attn_implementation=attention.register())  # fmt: skip
+    model = load_model(
+        source, device, dtype, seed=config.model.seed, attn_implementation=attention.register()
+    )
     num_blocks = num_kv_blocks(model, config.cache, device, dtype)
     kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)

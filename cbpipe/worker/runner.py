@@ -70,8 +70,9 @@ class LaunchedStep:
             self.d2h_done.synchronize()
             assert self.compute_start is not None and self.compute_end is not None
             device_ms = self.compute_start.elapsed_time(self.compute_end)
-        return StepDone(self.step.step, self.step.slot, self.recv_ns, time.perf_counter_ns(),
-                        device_ms)  # fmt: skip
+        return StepDone(
+            self.step.step, self.step.slot, self.recv_ns, time.perf_counter_ns(), device_ms
+        )
 
 
 class StepRunner:
@@ -137,8 +138,10 @@ class StepRunner:
         slot = self.slots[step.slot]
         header = tuple(int(v) for v in slot.header)
         if header != (step.step, step.num_tokens, step.num_seqs):
-            raise RuntimeError(f"slot {step.slot} holds step/tokens/seqs {header}, "
-                               f"but step {step.step} was announced")  # fmt: skip
+            raise RuntimeError(
+                f"slot {step.slot} holds step/tokens/seqs {header}, "
+                f"but step {step.step} was announced"
+            )
         used = self.layout.input_nbytes_used(step.num_seqs, step.block_table_width)
         k = step.slot
         with self._on(self.h2d_stream):

@@ -29,9 +29,14 @@ def _prompts(rng: random.Random, vocab: int, count: int, longest: int) -> list[l
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def _check_against_reference(engine: InProcessEngine, name: str, prompts: list[list[int]],
-                             params: list[SamplingParams], eos: list[int] | None,
-                             mode: str = "async") -> None:  # fmt: skip
+def _check_against_reference(
+    engine: InProcessEngine,
+    name: str,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    eos: list[int] | None,
+    mode: str = "async",
+) -> None:
     outputs = engine.generate(prompts, params, mode=mode, rng=random.Random(7))
     for prompt, sp, output in zip(prompts, params, outputs, strict=True):
         expected = reference_greedy(name, prompt, sp.max_new_tokens, eos)
@@ -56,8 +61,9 @@ def test_random_qwen2_stops_at_eos() -> None:
     free_runs = [reference_greedy(QWEN, p, 12, None) for p in prompts]
     eos = sorted({run[5] for run in free_runs[:4]})
     params = [SamplingParams(max_new_tokens=12) for _ in prompts]
-    engine = InProcessEngine(QWEN, max_batch_tokens=64, max_num_seqs=6,
-                             eos_token_ids=frozenset(eos))  # fmt: skip
+    engine = InProcessEngine(
+        QWEN, max_batch_tokens=64, max_num_seqs=6, eos_token_ids=frozenset(eos)
+    )
     outputs = engine.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output == reference_greedy(QWEN, prompt, 12, eos)
@@ -72,19 +78,22 @@ def test_embedded_model_matches_generate(ignore_eos: bool) -> None:
     vocab = source.config.vocab_size
     rng = random.Random(3)
     prompts = _prompts(rng, vocab, count=24, longest=500)
-    params = [SamplingParams(max_new_tokens=rng.randint(1, 48), ignore_eos=ignore_eos)
-              for _ in prompts]  # fmt: skip
-    engine = InProcessEngine(EMBEDDED, max_batch_tokens=128, max_num_seqs=10,
-                             eos_token_ids=frozenset(eos))  # fmt: skip
-    _check_against_reference(engine, EMBEDDED, prompts, params,
-                             eos=None if ignore_eos else eos)  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=rng.randint(1, 48), ignore_eos=ignore_eos) for _ in prompts
+    ]
+    engine = InProcessEngine(
+        EMBEDDED, max_batch_tokens=128, max_num_seqs=10, eos_token_ids=frozenset(eos)
+    )
+    _check_against_reference(engine, EMBEDDED, prompts, params, eos=None if ignore_eos else eos)
 
 
 def test_async_sync_and_random_interleaving_agree_on_seeded_sampling() -> None:
     rng = random.Random(4)
     prompts = _prompts(rng, 512, count=16, longest=120)
-    params = [SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=i)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=i)
+        for i in range(len(prompts))
+    ]
     runs = {
         mode: InProcessEngine(QWEN, max_batch_tokens=64, max_num_seqs=6).generate(
             prompts, params, mode=mode, rng=random.Random(5)
@@ -92,8 +101,10 @@ def test_async_sync_and_random_interleaving_agree_on_seeded_sampling() -> None:
         for mode in ("async", "sync", "random")
     }
     assert runs["async"] == runs["sync"] == runs["random"]
-    alone = [InProcessEngine(QWEN).generate([p], [sp])[0]
-             for p, sp in list(zip(prompts, params))[:4]]  # fmt: skip
+    alone = [
+        InProcessEngine(QWEN).generate([p], [sp])[0]
+        for p, sp in list(zip(prompts, params, strict=True))[:4]
+    ]
     assert alone == runs["async"][:4]
     greedy = InProcessEngine(QWEN).generate(prompts[:4], [SamplingParams(20)] * 4)
     assert greedy != runs["async"][:4], "sampling at temperature 0.9 looked greedy"
@@ -104,8 +115,9 @@ def test_preemption_under_small_cache_keeps_reference_outputs() -> None:
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(20, 70))] for _ in range(10)]
     params = [SamplingParams(max_new_tokens=40) for _ in prompts]
     # 14 blocks of 8 tokens hold 112 tokens: two or three requests at a time at most.
-    engine = InProcessEngine(QWEN, num_blocks=14, block_size=8, max_num_seqs=8,
-                             max_batch_tokens=64, max_model_len=112)  # fmt: skip
+    engine = InProcessEngine(
+        QWEN, num_blocks=14, block_size=8, max_num_seqs=8, max_batch_tokens=64, max_model_len=112
+    )
     reqs = [engine.add(p, sp) for p, sp in zip(prompts, params, strict=True)]
     engine.run(mode="async")
     assert sum(r.num_preemptions for r in reqs) > 0, "the cache was never short"
@@ -122,8 +134,9 @@ def test_random_arrivals_interleaving_and_cancellation() -> None:
         prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 150))]
         params = SamplingParams(max_new_tokens=rng.randint(1, 30))
         arrivals.setdefault(rng.randint(1, 60), []).append((prompt, params))
-    engine = InProcessEngine(QWEN, num_blocks=40, block_size=8, max_num_seqs=5,
-                             max_batch_tokens=48, max_model_len=200)  # fmt: skip
+    engine = InProcessEngine(
+        QWEN, num_blocks=40, block_size=8, max_num_seqs=5, max_batch_tokens=48, max_model_len=200
+    )
     reqs = engine.run(mode="random", rng=rng, arrivals=arrivals, cancel_probability=0.03)
     assert len(reqs) == 30
     finished = [r for r in reqs if r.status.name != "FINISHED_CANCELLED"]

@@ -1,0 +1,58 @@
+import torch
+
+from cbpipe.worker.sampler import SamplingInputs, sample
+
+
+def inputs(
+    n: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seeds: torch.Tensor | None = None,
+    output_index: int = 0,
+) -> SamplingInputs:
+    return SamplingInputs(
+        temperature=torch.full((n,), temperature),
+        top_p=torch.full((n,), top_p),
+        top_k=torch.full((n,), top_k, dtype=torch.int32),
+        seed=seeds if seeds is not None else torch.arange(n),
+        output_index=torch.full((n,), output_index, dtype=torch.int32),
+        all_greedy=temperature == 0,
+        needs_top_k_top_p=top_k > 0 or top_p < 1,
+    )
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.tensor([0.0, 1.0, 2.0, 0.5]).repeat(20000, 1)
+    ids, logprobs = sample(logits, inputs(20000))
+    frequencies = torch.bincount(ids, minlength=4) / 20000
+    assert torch.allclose(frequencies, logits[0].softmax(-1), atol=0.015)
+    assert torch.allclose(logprobs, logits[0].log_softmax(-1)[ids])
+
+
+def test_top_k_and_top_p_cut_the_tail() -> None:
+    logits = torch.tensor([0.0, 1.0, 2.0, 0.5]).repeat(4000, 1)
+    assert set(sample(logits, inputs(4000, top_k=2))[0].tolist()) == {1, 2}
+    assert set(sample(logits, inputs(4000, top_p=0.7))[0].tolist()) == {1, 2}
+    assert set(sample(logits, inputs(4000, top_p=0.5))[0].tolist()) == {2}
+
+
+def test_greedy_rows_in_a_mixed_batch_take_the_argmax() -> None:
+    logits = torch.randn(6, 50)
+    mixed = inputs(6)
+    mixed.temperature[::2] = 0.0
+    ids, _ = sample(logits, mixed)
+    assert torch.equal(ids[::2], logits[::2].argmax(-1))
+
+
+def test_a_seeded_draw_depends_on_seed_and_index_only() -> None:
+    logits = torch.randn(1, 300).repeat(8, 1)
+    seeds = torch.tensor([5, 5, 5, 5, 6, 6, 6, 6])
+    first, _ = sample(logits, inputs(8, seeds=seeds, output_index=3))
+    assert len(set(first[:4].tolist())) == 1 and len(set(first[4:].tolist())) == 1
+    crowd = torch.cat([torch.randn(5, 300), logits[:1]])
+    alone, _ = sample(crowd, inputs(6, seeds=torch.tensor([1, 2, 3, 4, 9, 5]), output_index=3))
+    assert alone[-1] == first[0]
+    later, _ = sample(logits, inputs(8, seeds=torch.arange(8), output_index=4))
+    earlier, _ = sample(logits, inputs(8, seeds=torch.arange(8), output_index=3))
+    assert not torch.equal(later, earlier)

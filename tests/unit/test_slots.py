@@ -1,0 +1,45 @@
+import numpy as np
+import pytest
+
+from cbpipe.protocol.slots import ALIGN, FIELDS, SlotLayout, SlotLimits, numpy_views
+
+
+def test_fields_are_aligned_disjoint_and_inputs_come_first() -> None:
+    layout = SlotLayout.build(SlotLimits(max_tokens=100, max_seqs=7, max_blocks_per_seq=13), 3)
+    spans = sorted((f.offset, f.offset + f.nbytes, f.spec.region) for f in layout.fields.values())
+    for (start, end, _), (next_start, _, _) in zip(spans, spans[1:], strict=False):
+        assert start % ALIGN == 0 and end <= next_start
+    inputs = [s for s in spans if s[2] == "input"]
+    assert max(end for _, end, _ in inputs) <= layout.input_nbytes == layout.output_offset
+    assert layout.slot_nbytes % ALIGN == 0
+    assert layout.segment_nbytes == 3 * layout.slot_nbytes
+    assert layout.fields["block_tables"].length == 7 * 13
+    assert set(layout.fields) == {f.name for f in FIELDS}
+
+
+def test_block_tables_are_last_so_a_prefix_copy_covers_a_step() -> None:
+    layout = SlotLayout.build(SlotLimits(64, 8, 10))
+    tables = layout.fields["block_tables"]
+    others = [f for f in layout.fields.values() if f.spec.region == "input" and f is not tables]
+    assert all(f.offset < tables.offset for f in others)
+    assert layout.input_nbytes_used(num_seqs=3, block_table_width=4) == tables.offset + 3 * 4 * 4
+
+
+def test_views_of_two_slots_do_not_alias() -> None:
+    layout = SlotLayout.build(SlotLimits(16, 4, 4))
+    buffer = memoryview(bytearray(layout.segment_nbytes))
+    first, second = numpy_views(buffer, layout, 0), numpy_views(buffer, layout, 1)
+    first["input_ids"][:] = 7
+    second["sampled_ids"][:] = 9
+    assert not second["input_ids"].any()
+    assert not first["sampled_ids"].any()
+    assert first["block_tables"].dtype == np.int32 and first["block_tables"].size == 16
+
+
+def test_limits_and_slot_count_are_checked() -> None:
+    with pytest.raises(ValueError):
+        SlotLimits(0, 1, 1)
+    with pytest.raises(ValueError):
+        SlotLayout.build(SlotLimits(1, 1, 1), num_slots=1)
+    with pytest.raises(IndexError):
+        SlotLayout.build(SlotLimits(1, 1, 1)).slot_offset(2)
