@@ -14,8 +14,9 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.utils.monitor
@@ -273,7 +274,7 @@ class Client:
                 while self._socket.poll(0):
                     self._on_frame(self._socket.recv())
 
-    def _on_monitor_event(self, event: dict) -> None:
+    def _on_monitor_event(self, event: Mapping[str, Any]) -> None:
         if event["event"] == zmq.EVENT_DISCONNECTED:
             self._fail_all(EngineError(f"lost the connection to the engine at {self.address}"))
 

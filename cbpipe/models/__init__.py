@@ -26,7 +26,7 @@ def _llama3(hidden: int, layers: int, heads: int, intermediate: int, tie: bool) 
         num_key_value_heads=8,
         head_dim=hidden // heads,
         max_position_embeddings=131072,
-        rope_theta=500000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie,
         bos_token_id=128000,

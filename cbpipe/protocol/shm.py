@@ -25,6 +25,7 @@ def new_segment_name() -> str:
 
 def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
     segment = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    assert segment.buf is not None
     segment.buf[:nbytes] = bytes(nbytes)  # touch every page now, not on the first step
     return segment
 

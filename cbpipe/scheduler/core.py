@@ -12,6 +12,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.request import Request, RequestStatus
 
@@ -140,7 +143,9 @@ class Scheduler:
             step, [self._commit(req, n, i) for i, (req, n) in enumerate(chosen)], preempted
         )
 
-    def update(self, plan: StepPlan, sampled_ids: Sequence[int]) -> list[RequestUpdate]:
+    def update(
+        self, plan: StepPlan, sampled_ids: Sequence[int] | npt.NDArray[np.int64]
+    ) -> list[RequestUpdate]:
         """Apply step ``plan``'s sampled ids (one per seq, in plan order)."""
         updates = []
         for index, seq in enumerate(plan.seqs):

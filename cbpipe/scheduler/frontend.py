@@ -12,6 +12,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
 
@@ -20,6 +21,7 @@ from cbpipe.protocol.messages import (
     Error,
     ErrorKind,
     Finished,
+    FinishReasonName,
     Hello,
     Message,
     ProtocolError,
@@ -197,7 +199,7 @@ class Frontend:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-        reason = FINISH_REASONS[req.status].value
+        reason = cast(FinishReasonName, FINISH_REASONS[req.status].value)
         self._send(
             origin.identity, Finished(origin.client_request_id, reason, text, req.num_prompt_tokens)
         )

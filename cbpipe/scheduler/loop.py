@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import zmq
+import zmq.utils.monitor
 
 from cbpipe.protocol.messages import Shutdown, StepDone, WorkerFailed, decode, encode
 from cbpipe.scheduler.core import Scheduler, StepPlan

@@ -1,0 +1,42 @@
+"""``make run``: start cbpipe on the embedded model and stream a few generations.
+
+    python scripts/demo.py [launcher flags...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from cbpipe.client import Client
+from cbpipe.engine_process import EngineProcess
+
+PROMPTS = [
+    "Return the",
+    "The list of",
+    "This module provides",
+    "Raise an exception if",
+]
+
+
+def main(argv: list[str]) -> None:
+    print("starting cbpipe-launch", " ".join(argv), flush=True)
+    with EngineProcess.start(argv) as engine, Client(engine.address) as client:
+        print(f"engine ready at {engine.address}\n", flush=True)
+        for prompt in PROMPTS:
+            job = client.submit(prompt, max_new_tokens=48)
+            print(f"\033[1m{prompt}\033[0m", end="", flush=True)
+            for token_id in job.stream():
+                print(f"\033[2m{token_id}\033[0m ", end="", flush=True)
+            result = job.result()
+            print(f"\n  -> {prompt}{result.text!s}  [{result.finish_reason}]\n", flush=True)
+        start = time.perf_counter()
+        results = client.generate(PROMPTS * 16, max_new_tokens=48, temperature=0.8, seed=0)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(r.token_ids) for r in results)
+        print(f"{len(results)} sampled jobs at once: {tokens} tokens in {elapsed:.2f} s "
+              f"({tokens / elapsed:.0f} tokens/s on the engine's device)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
