@@ -30,6 +30,7 @@ class EngineProcess:
     scheduler_pid: int
     worker_pid: int
     _stderr: IO[str]  # a file, not a pipe: a chatty engine must never block on its logs
+    _final_stderr: str = ""
 
     @classmethod
     def start(cls, args: Sequence[str] = (), *, timeout: float = 120.0) -> EngineProcess:
@@ -57,7 +58,9 @@ class EngineProcess:
 
     @property
     def stderr(self) -> str:
-        """What the engine logged so far."""
+        """What the engine logged so far (also after it stopped)."""
+        if self._stderr.closed:
+            return self._final_stderr
         self._stderr.seek(0)
         return self._stderr.read()
 
@@ -79,6 +82,7 @@ class EngineProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+        self._final_stderr = self.stderr
         self._stderr.close()
 
 

@@ -288,18 +288,23 @@ class Client:
             self._welcome = message
             self._welcomed.set()
             return
-        assert isinstance(message, (Tokens, Finished, Error))
+        if isinstance(message, Tokens):
+            with self._jobs_lock:
+                jobs = [self._jobs.get(rid) for rid in message.request_ids]
+            for job, token_ids in zip(jobs, message.token_ids, strict=True):
+                if job is not None:
+                    job._add_tokens(token_ids)
+            return
+        assert isinstance(message, (Finished, Error))
         with self._jobs_lock:
             job = self._jobs.get(message.request_id) if message.request_id is not None else None
-            if job is not None and not isinstance(message, Tokens):
+            if job is not None:
                 del self._jobs[message.request_id]  # type: ignore[arg-type]
         if job is None:
             if isinstance(message, Error):
                 log.warning("engine error not tied to a job: %s", message.message)
             return
-        if isinstance(message, Tokens):
-            job._add_tokens(message.token_ids)
-        elif isinstance(message, Finished):
+        if isinstance(message, Finished):
             job._finish(message)
         elif message.kind is ErrorKind.REQUEST:
             job._fail(RequestError(message.message))

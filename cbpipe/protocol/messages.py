@@ -83,11 +83,18 @@ class Cancel(Message):
 
 @dataclass(frozen=True)
 class Tokens(Message):
-    """Scheduler -> client: newly known tokens of a job, in order."""
+    """Scheduler -> client: newly known tokens of the client's jobs, one frame per step.
+
+    ``token_ids[i]`` continues the output of job ``request_ids[i]``.
+    """
 
     TYPE: ClassVar[str] = "tokens"
-    request_id: int
-    token_ids: list[int]
+    request_ids: list[int]
+    token_ids: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if len(self.request_ids) != len(self.token_ids):
+            raise ValueError("tokens: request_ids and token_ids differ in length")
 
 
 @dataclass(frozen=True)
@@ -259,7 +266,10 @@ def _build(cls: type, raw: dict[str, Any], context: str) -> Any:
                 continue
             raise ProtocolError(f"{context}: missing field {f.name!r}")
         values[f.name] = _convert(hints[f.name], raw[f.name], f"{context}.{f.name}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # a message's own consistency check
+        raise ProtocolError(str(exc)) from None
 
 
 _HINTS: dict[type, dict[str, Any]] = {}

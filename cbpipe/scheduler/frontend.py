@@ -183,11 +183,17 @@ class Frontend:
     # --- outbound -----------------------------------------------------------------------
 
     def publish(self, updates: list[RequestUpdate]) -> None:
+        """Stream a step's new tokens: one frame per client, then one per finished job."""
+        by_client: dict[bytes, tuple[list[int], list[list[int]]]] = {}
         for update in updates:
             origin = self._origins.get(update.req.request_id)
-            if origin is None:
-                continue
-            self._send(origin.identity, Tokens(origin.client_request_id, update.new_token_ids))
+            if origin is not None:
+                ids, tokens = by_client.setdefault(origin.identity, ([], []))
+                ids.append(origin.client_request_id)
+                tokens.append(update.new_token_ids)
+        for identity, (ids, tokens) in by_client.items():
+            self._send(identity, Tokens(ids, tokens))
+        for update in updates:
             if update.finished:
                 self._finish(update.req)
 

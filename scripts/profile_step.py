@@ -1,0 +1,83 @@
+"""Time the worker's step alone, in one process: where does a decode step's time go?
+
+    python scripts/profile_step.py --model random:llama-1b --batch 256 --context 256
+
+Packs one decode step of ``--batch`` sequences with ``--context`` tokens each (their KV
+already "computed": the cache holds zeros, which costs the same), runs it repeatedly through
+the real ``StepRunner``, and prints the wall time per step, the device time per step (CUDA
+events) and the top operators from ``torch.profiler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from cbpipe.models import resolve_model
+from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.slots import SlotLayout, SlotLimits
+from cbpipe.scheduler.block_manager import BlockManager
+from cbpipe.scheduler.core import Scheduler
+from cbpipe.scheduler.packer import BatchPacker
+from cbpipe.scheduler.request import Request
+from cbpipe.worker import attention
+from cbpipe.worker.model_loader import allocate_kv_cache, load_model, resolve_device, resolve_dtype
+from cbpipe.worker.runner import StepRunner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:llama-1b")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_model(resolve_model(args.model), device, dtype,
+                       attn_implementation=attention.register())  # fmt: skip
+    bs = args.block_size
+    blocks_per_seq = -(-(args.context + 1) // bs)
+    num_blocks = args.batch * blocks_per_seq
+    kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
+    layout = SlotLayout.build(SlotLimits(args.batch, args.batch, blocks_per_seq))
+    segment = memoryview(bytearray(layout.segment_nbytes))
+    runner = StepRunner(model, kv, layout, segment, device)
+
+    scheduler = Scheduler(BlockManager(num_blocks, bs), max_num_seqs=args.batch,
+                          max_batch_tokens=args.batch)  # fmt: skip
+    for i in range(args.batch):
+        req = Request(i, [1] * args.context, SamplingParams(1), 0, args.context + 1, frozenset())
+        req.num_computed_tokens = args.context - 1  # only the last prompt token is left
+        scheduler.blocks.grow(req.block_ids, args.context)
+        scheduler.add_request(req)
+    plan = scheduler.schedule()
+    step = BatchPacker(segment, layout, bs).pack(plan, 0, None)
+    print(f"{args.model} {dtype} on {device}: decode step of {step.num_seqs} seqs, "
+          f"context {step.max_context_len}")  # fmt: skip
+
+    def run(n: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        device_ms = sum(runner.launch(step).wait().device_ms for _ in range(n))
+        return (time.perf_counter() - start) * 1e3 / n, device_ms / n
+
+    run(3)
+    wall, dev = run(args.steps)
+    print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        run(5)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
