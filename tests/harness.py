@@ -8,6 +8,7 @@ the processes exercise them, only faster and deterministically.
 
 from __future__ import annotations
 
+import mmap
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,16 +25,16 @@ from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
 from cbpipe.worker.model_loader import allocate_kv_cache, load_model
-from cbpipe.worker.runner import StepRunner
+from cbpipe.worker.runner import LaunchedStep, StepRunner
 
 CPU = torch.device("cpu")
 
 
 @cache
-def paged_model(name: str) -> torch.nn.Module:
-    return load_model(
-        resolve_model(name), CPU, torch.float32, attn_implementation=attention.register()
-    )
+def paged_model(
+    name: str, device: torch.device = CPU, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    return load_model(resolve_model(name), device, dtype, attn_implementation=attention.register())
 
 
 @cache
@@ -66,23 +67,29 @@ class InProcessEngine:
     max_batch_tokens: int = 128
     max_model_len: int = 1024
     eos_token_ids: frozenset[int] = frozenset()
+    device: torch.device = CPU
+    dtype: torch.dtype = torch.float32
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
     def __post_init__(self) -> None:
-        model = paged_model(self.model_name)
+        model = paged_model(self.model_name, self.device, self.dtype)
         limits = SlotLimits(
             self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
         self.layout = SlotLayout.build(limits)
-        self.segment = memoryview(bytearray(self.layout.segment_nbytes))
+        # Page-aligned, like a shared-memory segment, so CUDA can register it.
+        self.segment = memoryview(mmap.mmap(-1, self.layout.segment_nbytes))
         self.blocks = BlockManager(self.num_blocks, self.block_size)
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=self.max_num_seqs, max_batch_tokens=self.max_batch_tokens
         )
         self.packer = BatchPacker(self.segment, self.layout, self.block_size)
-        kv = allocate_kv_cache(model, self.num_blocks, self.block_size, CPU, torch.float32)
-        self.runner = StepRunner(model, kv, self.layout, self.segment, CPU)
+        kv = allocate_kv_cache(model, self.num_blocks, self.block_size, self.device, self.dtype)
+        self.runner = StepRunner(model, kv, self.layout, self.segment, self.device)
+
+    def close(self) -> None:
+        self.runner.close()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         self._next_id += 1
@@ -108,12 +115,14 @@ class InProcessEngine:
     ) -> list[Request]:
         """Run until idle. ``mode`` "random" flips between async and sync at every step.
 
+        On CUDA two steps really are in flight at once in async mode, as in the worker.
+
         ``arrivals`` maps a step number to requests submitted just before it.
         """
         rng = rng or random.Random(0)
         arrivals = dict(arrivals or {})
         added: list[Request] = []
-        in_flight: deque[tuple[StepPlan, int]] = deque()
+        in_flight: deque[tuple[StepPlan, int, LaunchedStep]] = deque()
         slot, steps = 0, 0
         while self.scheduler.requests or in_flight or arrivals:
             steps += 1
@@ -128,13 +137,14 @@ class InProcessEngine:
                 if plan.seqs:
                     previous = in_flight[-1][1] if in_flight else None
                     step = self.packer.pack(plan, slot, previous)
-                    self.runner.launch(step).wait()
-                    in_flight.append((plan, slot))
+                    # Like the worker: enqueue now, wait only when the results are needed.
+                    in_flight.append((plan, slot, self.runner.launch(step)))
                     slot = (slot + 1) % self.layout.num_slots
                     if len(in_flight) < depth:
                         continue
             if in_flight:
-                plan, done_slot = in_flight.popleft()
+                plan, done_slot, launched = in_flight.popleft()
+                launched.wait()
                 sampled = self.packer.sampled_ids(done_slot, len(plan.seqs))
                 self.scheduler.update(plan, sampled)
             if cancel_probability and self.scheduler.requests and rng.random() < cancel_probability:
