@@ -11,11 +11,13 @@ import argparse
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+import traceback
 from types import FrameType
 
 from cbpipe import config as config_module
@@ -144,7 +146,10 @@ class Launcher:
         sentinels = {p.sentinel: name for name, p in children.items()}
         while not self.stop_requested:
             for sentinel in mp.connection.wait(list(sentinels), timeout=0.2):
+                if self.stop_requested:
+                    break  # a signal to the whole group may reach the children first
                 name = sentinels[sentinel]
+                children[name].join(1)
                 code = children[name].exitcode
                 print(
                     f"cbpipe-launch: the {name} exited unexpectedly (code {code})", file=sys.stderr
@@ -157,7 +162,20 @@ class Launcher:
 def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def]
     # Ctrl-C reaches the whole process group; the launcher alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    target(spec, ready)
+    code = 1
+    try:
+        target(spec, ready)
+        code = 0
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        # The child has released what it holds; skip the interpreter's teardown, which
+        # spends seconds collecting torch's and transformers' objects.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _read_status(conn: mp.connection.Connection) -> tuple[str, str]:

@@ -1,6 +1,6 @@
 """``make run``: start cbpipe on the embedded model and stream a few generations.
 
-    python scripts/demo.py [launcher flags...]
+python scripts/demo.py [launcher flags...]
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ def main(argv: list[str]) -> None:
         results = client.generate(PROMPTS * 16, max_new_tokens=48, temperature=0.8, seed=0)
         elapsed = time.perf_counter() - start
         tokens = sum(len(r.token_ids) for r in results)
-        print(f"{len(results)} sampled jobs at once: {tokens} tokens in {elapsed:.2f} s "
-              f"({tokens / elapsed:.0f} tokens/s on the engine's device)")
+        print(
+            f"{len(results)} sampled jobs at once: {tokens} tokens in {elapsed:.2f} s "
+            f"({tokens / elapsed:.0f} tokens/s on the engine's device)"
+        )
 
 
 if __name__ == "__main__":

@@ -199,6 +199,8 @@ class Client:
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         if not isinstance(prompt, str):
+            if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
+                raise RequestError("a prompt must be a string or a list of integer token ids")
             prompt = list(prompt)
             if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
                 raise RequestError("a prompt must be a string or a list of integer token ids")

@@ -1,0 +1,330 @@
+"""Offline throughput benchmark, in the spirit of ``vllm bench throughput``.
+
+For each mode (async, sync) it starts its own ``cbpipe-launch``, sends one warm-up request,
+then submits every request at once from one client, waits for all results, and measures the
+wall time from the first submit to the last result. Prompts are seeded random token ids and
+every request runs to its full output length (``ignore_eos``), so both modes do the same work.
+
+    python scripts/bench.py --model random:qwen2-tiny --device cpu --num-requests 8 \\
+        --prompt-len 16 --output-len 16
+    python scripts/bench.py --model random:llama-8b --num-requests 32 --prompt-len 128 \\
+        --output-len 1024 --json out/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cbpipe.client import Client, Job
+from cbpipe.engine_process import EngineProcess
+
+MODES = ("async", "sync")
+WARMUP_PROMPT_LEN = 16
+WARMUP_OUTPUT_LEN = 8
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-request prompt and output lengths; the prompts themselves need the vocabulary."""
+
+    prompt_lens: list[int]
+    output_lens: list[int]
+    seed: int
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        return [[rng.randrange(vocab_size) for _ in range(n)] for n in self.prompt_lens]
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    num_requests: int
+    startup_s: float
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tok_s: float
+    total_tok_s: float
+    mean_ttft_ms: float
+    median_ttft_ms: float
+    length_errors: int  # results that did not have exactly their output length
+
+
+# --- arguments and workload -----------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:llama-1b")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--random-prompt-len",
+        type=_range,
+        metavar="LO,HI",
+        help="draw each prompt length uniformly from [LO, HI]",
+    )
+    p.add_argument(
+        "--random-output-len",
+        type=_range,
+        metavar="LO,HI",
+        help="draw each output length uniformly from [LO, HI]",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for lengths and prompts")
+    p.add_argument("--modes", type=_modes, default=MODES, help="comma list of async, sync")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-batch-tokens", type=int)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--launch-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra cbpipe-launch flag, repeatable: --launch-arg=--block-size=32",
+    )
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for all results")
+    p.add_argument("--json", type=Path, help="write the results here")
+    return p.parse_args(argv)
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(v) for v in text.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes or any(m not in MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"modes are a comma list of {', '.join(MODES)}")
+    return modes
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    rng = random.Random(args.seed)
+
+    def lengths(fixed: int, drawn: tuple[int, int] | None) -> list[int]:
+        if drawn is None:
+            return [fixed] * args.num_requests
+        return [rng.randint(*drawn) for _ in range(args.num_requests)]
+
+    prompt_lens = lengths(args.prompt_len, args.random_prompt_len)
+    output_lens = lengths(args.output_len, args.random_output_len)
+    return Workload(prompt_lens, output_lens, args.seed + 1)
+
+
+def launcher_args(args: argparse.Namespace, mode: str) -> list[str]:
+    cmd = ["--model", args.model]
+    for flag in ("device", "dtype", "max_num_seqs", "max_batch_tokens"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(value)]
+    if mode == "sync":
+        cmd.append("--sync")
+    return cmd + list(args.launch_arg)
+
+
+# --- the engine -----------------------------------------------------------------------------
+
+
+def vocab_size(client: Client, model: str) -> int:
+    size = getattr(client, "vocab_size", None)  # the Welcome carries it; the Client may not
+    if size is None:
+        from cbpipe.models import resolve_model
+
+        size = resolve_model(model).config.get_text_config().vocab_size
+    return int(size)
+
+
+# --- one mode -------------------------------------------------------------------------------
+
+
+def run_mode(
+    args: argparse.Namespace, mode: str, workload: Workload
+) -> tuple[ModeResult, list[list[int]]]:
+    """Measure one mode; also returns every request's generated token ids."""
+    started = time.perf_counter()
+    with EngineProcess.start(launcher_args(args, mode), timeout=args.ready_timeout) as engine:
+        try:
+            return _run_on(engine, args, mode, workload, time.perf_counter() - started)
+        except Exception:
+            print(f"engine log:\n{engine.stderr}", file=sys.stderr)
+            raise
+
+
+def _run_on(
+    engine: EngineProcess, args: argparse.Namespace, mode: str, workload: Workload, startup_s: float
+) -> tuple[ModeResult, list[list[int]]]:
+    with Client(engine.address) as client:
+        lens = zip(workload.prompt_lens, workload.output_lens, strict=True)
+        longest = max(p + o for p, o in lens)
+        if longest > client.max_model_len:
+            raise SystemExit(
+                f"prompt + output of {longest} tokens exceeds the engine's "
+                f"max_model_len of {client.max_model_len}"
+            )
+        vocab = vocab_size(client, args.model)
+        warm_up(client, vocab)
+        prompts = workload.prompts(vocab)
+        return measure(client, mode, prompts, workload.output_lens, startup_s, args.timeout)
+
+
+def warm_up(client: Client, vocab: int) -> None:
+    prompt = [random.Random(-1).randrange(vocab) for _ in range(WARMUP_PROMPT_LEN)]
+    client.generate([prompt], max_new_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, timeout=600)
+
+
+def measure(
+    client: Client,
+    mode: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    startup_s: float,
+    timeout: float,
+) -> tuple[ModeResult, list[list[int]]]:
+    start = time.perf_counter()
+    jobs = [
+        client.submit(p, max_new_tokens=n, ignore_eos=True)
+        for p, n in zip(prompts, output_lens, strict=True)
+    ]
+    first_token: list[float | None] = [None] * len(jobs)
+    watchers = [
+        threading.Thread(
+            target=_watch_first_token, args=(job, i, first_token, timeout), daemon=True
+        )
+        for i, job in enumerate(jobs)
+    ]
+    for watcher in watchers:
+        watcher.start()
+    deadline = start + timeout
+    results = [job.result(timeout=max(deadline - time.perf_counter(), 0.0)) for job in jobs]
+    wall_s = time.perf_counter() - start
+    ttft_ms = [(t - start) * 1e3 for t in first_token if t is not None]
+    num_prompt = sum(len(p) for p in prompts)
+    num_output = sum(len(r.token_ids) for r in results)
+    errors = sum(
+        len(r.token_ids) != n or r.finish_reason != "length"
+        for r, n in zip(results, output_lens, strict=True)
+    )
+    result = ModeResult(
+        mode=mode,
+        num_requests=len(jobs),
+        startup_s=round(startup_s, 2),
+        wall_s=round(wall_s, 4),
+        prompt_tokens=num_prompt,
+        output_tokens=num_output,
+        output_tok_s=round(num_output / wall_s, 1),
+        total_tok_s=round((num_prompt + num_output) / wall_s, 1),
+        mean_ttft_ms=round(statistics.fmean(ttft_ms), 2) if ttft_ms else float("nan"),
+        median_ttft_ms=round(statistics.median(ttft_ms), 2) if ttft_ms else float("nan"),
+        length_errors=errors,
+    )
+    return result, [r.token_ids for r in results]
+
+
+def _watch_first_token(
+    job: Job, index: int, first_token: list[float | None], timeout: float
+) -> None:
+    with contextlib.suppress(Exception):  # the main thread reports failures through result()
+        for _ in job.stream(timeout=timeout):
+            first_token[index] = time.perf_counter()
+            return
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+ROWS = (
+    ("wall s", "wall_s", "{:.2f}"),
+    ("output tok/s", "output_tok_s", "{:.1f}"),
+    ("total tok/s", "total_tok_s", "{:.1f}"),
+    ("mean TTFT ms", "mean_ttft_ms", "{:.1f}"),
+    ("median TTFT ms", "median_ttft_ms", "{:.1f}"),
+    ("engine start s", "startup_s", "{:.1f}"),
+    ("length errors", "length_errors", "{}"),
+)
+
+
+def same_outputs(outputs: dict[str, list[list[int]]]) -> int | None:
+    """How many requests generated the same tokens in both modes (None: one mode ran)."""
+    if "async" not in outputs or "sync" not in outputs:
+        return None
+    return sum(a == s for a, s in zip(outputs["async"], outputs["sync"], strict=True))
+
+
+def speedup(results: dict[str, ModeResult]) -> float | None:
+    if "async" in results and "sync" in results:
+        return round(results["async"].output_tok_s / results["sync"].output_tok_s, 3)
+    return None
+
+
+def print_table(
+    args: argparse.Namespace,
+    workload: Workload,
+    results: dict[str, ModeResult],
+    num_same: int | None,
+) -> None:
+    modes = [m for m in ("sync", "async") if m in results]
+    print(
+        f"\nmodel {args.model}, {len(workload.prompt_lens)} requests, "
+        f"{sum(workload.prompt_lens)} prompt + {sum(workload.output_lens)} output tokens"
+    )
+    print(f"{'':16}" + "".join(f"{m:>12}" for m in modes))
+    for label, key, fmt in ROWS:
+        cells = "".join(f"{fmt.format(getattr(results[m], key)):>12}" for m in modes)
+        print(f"{label:16}{cells}")
+    if (gain := speedup(results)) is not None:
+        print(f"async speed-up (output tok/s): {gain:.3f}x")
+    if num_same is not None:
+        print(f"same tokens in sync and async: {num_same}/{len(workload.prompt_lens)} requests")
+    print(flush=True)
+
+
+def write_json(
+    path: Path, args: argparse.Namespace, results: dict[str, ModeResult], num_same: int | None
+) -> None:
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    report = {
+        "settings": settings,
+        "modes": {m: asdict(r) for m, r in results.items()},
+        "async_speedup": speedup(results),
+        "same_tokens_in_both_modes": num_same,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # A SIGTERM (say, from `timeout`) unwinds through the finally blocks that stop the engine.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    workload = make_workload(args)
+    results: dict[str, ModeResult] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for mode in args.modes:
+        print(f"--- {mode}: cbpipe-launch {' '.join(launcher_args(args, mode))}", flush=True)
+        results[mode], outputs[mode] = run_mode(args, mode, workload)
+        print(json.dumps(asdict(results[mode])), flush=True)
+        if args.json is not None:  # after each mode, so a timeout keeps what was measured
+            write_json(args.json, args, results, same_outputs(outputs))
+    print_table(args, workload, results, same_outputs(outputs))
+    return 1 if any(r.length_errors for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""Real engines for the integration tests: ``python -m cbpipe.launcher`` as a child process.
+
+``launch_engine(*flags)`` starts one launcher, waits for its ready line and, on exit, stops it
+with SIGTERM and checks that it left nothing behind: no shared-memory segment, no child
+process, no socket folder.
+
+A launch costs many seconds on a small machine (three processes import torch and
+transformers), so the fixtures start engines ahead of the tests that need them, several at
+once: ``EnginePool`` looks at the collected tests, starts every shared engine they use and a
+few fresh ones in parallel, and hands them out. Tests that only submit jobs share one engine
+per configuration (``engine``, ``sync_engine``); tests that kill or stop an engine take a
+``fresh_engine`` of their own, and the next one is already starting while they run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import importlib.util
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from cbpipe.client import Client
+
+MODEL_FLAGS = ("--model", "random:qwen2-tiny", "--device", "cpu", "--num-blocks", "512")
+VOCAB_SIZE = 512  # of random:qwen2-tiny
+
+
+def _embedded_model_dir() -> Path:
+    """``cbpipe.models.EMBEDDED_MODEL_DIR``, found without importing transformers (seconds)."""
+    spec = importlib.util.find_spec("cbpipe.models")
+    assert spec is not None and spec.origin is not None
+    return Path(spec.origin).parent / "default"
+
+
+EMBEDDED_MODEL_DIR = _embedded_model_dir()
+# A model with a tokenizer for the text-prompt tests: the embedded default model, or another
+# checkpoint folder named by CBPIPE_TEST_TEXT_MODEL.
+TEXT_MODEL_DIR = Path(os.environ.get("CBPIPE_TEST_TEXT_MODEL", EMBEDDED_MODEL_DIR))
+SYNC_MAX_MODEL_LEN = 256  # the sync engine also serves the too-long-prompt tests
+
+STOP_TIMEOUT_S = 15.0  # SIGTERM to exit; then the whole process group is killed
+CHILD_EXIT_TIMEOUT_S = 5.0  # after the launcher exited, for its children to be gone
+POOL_READY_TIMEOUT_S = 180.0  # pooled engines start side by side and compete for the CPU
+MAX_SPARE_ENGINES = 2  # fresh engines started ahead of the tests that take them
+
+READY_LINE = re.compile(r"^cbpipe ready address=(\S+) scheduler=(\d+) worker=(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class ReadyLine:
+    """What the launcher's ``cbpipe ready ...`` line says."""
+
+    address: str
+    scheduler_pid: int
+    worker_pid: int
+
+    @classmethod
+    def parse(cls, line: str) -> ReadyLine | None:
+        match = READY_LINE.match(line)
+        if match is None:
+            return None
+        return cls(match[1], int(match[2]), int(match[3]))
+
+
+class EngineRun:
+    """One launcher process, from its start to a checked stop.
+
+    Stdout and stderr are drained by threads (a full pipe would block the engine); the
+    launcher runs in a new session, so its process group holds it and its children.
+    """
+
+    def __init__(self, flags: Sequence[str]) -> None:
+        self.flags = tuple(flags)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cbpipe.launcher", *self.flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.started_at = time.monotonic()
+        _STARTED.append(self)
+        self._stdout: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: closed
+        self._stderr: list[str] = []
+        self._ready: ReadyLine | None = None
+        self._children: dict[int, str] = {}  # pid -> start time, against pid reuse
+        assert self.process.stdout is not None and self.process.stderr is not None
+        _drain(self.process.stdout, self._stdout.put, on_eof=lambda: self._stdout.put(None))
+        _drain(self.process.stderr, self._stderr.append)
+
+    # --- what the ready line said ---------------------------------------------------------
+
+    @property
+    def ready(self) -> ReadyLine:
+        assert self._ready is not None, "the engine is not ready"
+        return self._ready
+
+    @property
+    def address(self) -> str:
+        return self.ready.address
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def stderr(self) -> str:
+        return "".join(list(self._stderr))
+
+    # --- life cycle -----------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float) -> ReadyLine:
+        """Wait for the ready line (``timeout`` counts from the start); fail with stderr."""
+        deadline = self.started_at + timeout
+        while self._ready is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.kill()
+                pytest.fail(
+                    f"engine {self.flags} not ready within {timeout:.0f} s\nstderr:\n{self.stderr}"
+                )
+            try:
+                line = self._stdout.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:  # stdout closed: the launcher is gone
+                self.process.wait(STOP_TIMEOUT_S)
+                pytest.fail(
+                    f"engine {self.flags} exited with code {self.process.returncode} "
+                    f"before it was ready\nstderr:\n{self.stderr}"
+                )
+            self._ready = ReadyLine.parse(line)
+        for pid in (self._ready.scheduler_pid, self._ready.worker_pid):
+            start_time = _start_time(pid)
+            assert start_time is not None, f"child {pid} named in the ready line is not running"
+            self._children[pid] = start_time
+        return self._ready
+
+    def send_signal(self, signum: int, *, whole_group: bool = False) -> None:
+        """Signal the launcher, or (like Ctrl-C in a terminal) its whole process group."""
+        if whole_group:
+            os.killpg(self.pid, signum)
+        else:
+            os.kill(self.pid, signum)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The launcher's exit code, or None if it still runs after ``timeout`` seconds."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, signum: int = signal.SIGTERM, *, whole_group: bool = False) -> int:
+        """Send ``signum`` and return the exit code; fail if the launcher ignores it."""
+        self.send_signal(signum, whole_group=whole_group)
+        code = self.wait_exit(STOP_TIMEOUT_S)
+        if code is None:
+            self.kill()
+            pytest.fail(
+                f"the launcher did not exit within {STOP_TIMEOUT_S:.0f} s of "
+                f"{signal.Signals(signum).name}\nstderr:\n{self.stderr}"
+            )
+        return code
+
+    def kill(self) -> None:
+        """Last resort: SIGKILL the whole process group."""
+        with suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def finish(self) -> None:
+        """Stop the engine if it still runs (it must exit 0), then check what it left."""
+        if self.process.poll() is None:
+            code = self.stop()
+            assert code == 0, f"SIGTERM: launcher exit code {code}\nstderr:\n{self.stderr}"
+        self.assert_cleaned_up()
+
+    def assert_cleaned_up(self) -> None:
+        """After the launcher exited: no segment, no child, no socket folder of this run."""
+        assert self.process.poll() is not None, "the launcher still runs"
+        segments = leftover_segments(self.pid)
+        for path in segments:  # do not let one failure leak into later runs
+            os.unlink(path)
+        alive = self._wait_children_gone(CHILD_EXIT_TIMEOUT_S)
+        if alive:
+            self.kill_children()
+        assert not segments, f"shared memory left behind: {segments}"
+        assert not alive, f"child processes left behind: {alive}"
+        run_dir = self._run_dir()
+        assert run_dir is None or not run_dir.exists(), f"socket folder left behind: {run_dir}"
+
+    def kill_children(self) -> None:
+        for pid in self.alive_children():
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def alive_children(self) -> list[int]:
+        return [pid for pid, start in self._children.items() if _start_time(pid) == start]
+
+    def _wait_children_gone(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while (alive := self.alive_children()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return alive
+
+    def _run_dir(self) -> Path | None:
+        """The launcher's own socket folder, when it chose the client address."""
+        if self._ready is None or not self.address.startswith("ipc://"):
+            return None
+        folder = Path(self.address.removeprefix("ipc://")).parent
+        return folder if folder.name.startswith("cbpipe-") else None
+
+
+_STARTED: list[EngineRun] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """A safety net for an aborted session: no engine outlives the test process."""
+    alive = [run for run in _STARTED if run.process.poll() is None]
+    for run in alive:
+        run.send_signal(signal.SIGTERM)
+    for run in alive:
+        if run.wait_exit(STOP_TIMEOUT_S) is None:
+            run.kill()
+
+
+def leftover_segments(launcher_pid: int) -> list[str]:
+    """Shared-memory segments named after this launcher (``cbpipe-<pid>-<random>``)."""
+    return sorted(glob.glob(f"/dev/shm/cbpipe-{launcher_pid}-*"))
+
+
+def _drain(
+    stream: IO[str], on_line: Callable[[str], object], on_eof: Callable[[], object] = lambda: None
+) -> None:
+    def pump() -> None:
+        for line in stream:
+            on_line(line)
+        on_eof()
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def _start_time(pid: int) -> str | None:
+    """A live (not zombie) process's start time, which tells a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    state, start_time = fields[0], fields[19]
+    return None if state in ("Z", "X") else start_time
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@contextmanager
+def launch_engine(*flags: str, timeout: float = 60.0) -> Iterator[EngineRun]:
+    """Start ``python -m cbpipe.launcher *flags``; stop it and check the clean-up on exit."""
+    run = EngineRun(flags)
+    try:
+        run.wait_ready(timeout)
+        yield run
+        run.finish()
+    finally:
+        if run.process.poll() is None or run.alive_children():
+            run.kill()
+            run.kill_children()
+
+
+# --- engines started ahead, shared or fresh --------------------------------------------------
+
+
+def shared_engine_flags(name: str) -> tuple[str, ...]:
+    if name == "engine":
+        return MODEL_FLAGS
+    if name == "sync_engine":  # over TCP, to cover --address and that transport too
+        return (
+            *MODEL_FLAGS,
+            "--sync",
+            "--max-model-len",
+            str(SYNC_MAX_MODEL_LEN),
+            "--address",
+            free_tcp_address(),
+        )
+    if name == "text_engine":
+        return ("--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "512")
+    raise KeyError(name)
+
+
+SHARED_ENGINES = ("engine", "sync_engine", "text_engine")
+FRESH_ENGINE_FLAGS = MODEL_FLAGS
+
+
+class EnginePool:
+    """Starts the engines a test session needs, in parallel, before the tests ask for them."""
+
+    def __init__(self, shared: Sequence[str], fresh_needed: int) -> None:
+        self._shared = {name: EngineRun(shared_engine_flags(name)) for name in shared}
+        self._fresh_left = fresh_needed  # not yet started
+        self._spares: deque[EngineRun] = deque()
+        self._top_up()
+
+    def shared(self, name: str) -> EngineRun:
+        if name not in self._shared:  # a test the collection did not foresee
+            self._shared[name] = EngineRun(shared_engine_flags(name))
+        run = self._shared[name]
+        run.wait_ready(POOL_READY_TIMEOUT_S)
+        return run
+
+    def take_fresh(self) -> EngineRun:
+        """An engine no other test has used; the caller stops it (``finish()``)."""
+        run = self._spares.popleft() if self._spares else EngineRun(FRESH_ENGINE_FLAGS)
+        self._top_up()
+        run.wait_ready(POOL_READY_TIMEOUT_S)
+        return run
+
+    def close(self) -> None:
+        """SIGTERM every engine left at once, then check each one's exit and clean-up."""
+        runs = [*self._shared.values(), *self._spares]
+        for run in runs:
+            if run.process.poll() is None:
+                run.send_signal(signal.SIGTERM)
+        failures = []
+        for run in runs:
+            code = run.wait_exit(STOP_TIMEOUT_S)
+            if code is None:
+                run.kill()
+            if code != 0:
+                failures.append(f"{run.flags}: exit code {code} after SIGTERM\n{run.stderr}")
+            try:
+                run.assert_cleaned_up()
+            except AssertionError as exc:
+                failures.append(f"{run.flags}: {exc}")
+        assert not failures, "\n".join(failures)
+
+    def _top_up(self) -> None:
+        while self._fresh_left > 0 and len(self._spares) < MAX_SPARE_ENGINES:
+            self._spares.append(EngineRun(FRESH_ENGINE_FLAGS))
+            self._fresh_left -= 1
+
+
+@pytest.fixture(scope="session")
+def engine_pool(request: pytest.FixtureRequest) -> Iterator[EnginePool]:
+    items = [item for item in request.session.items if not _skipped(item)]
+    used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    fresh_needed = sum("fresh_engine" in getattr(item, "fixturenames", ()) for item in items)
+    pool = EnginePool([name for name in SHARED_ENGINES if name in used], fresh_needed)
+    yield pool
+    pool.close()
+
+
+def _skipped(item: pytest.Item) -> bool:
+    """Whether a skip or a true skipif condition marks the test (no engine to start for it)."""
+    return any(
+        marker.name == "skip" or (marker.args and marker.args[0] is True)
+        for marker in item.iter_markers()
+        if marker.name in ("skip", "skipif")
+    )
+
+
+@pytest.fixture(scope="session")
+def engine(engine_pool: EnginePool) -> EngineRun:
+    """The shared asynchronous engine (random:qwen2-tiny on the CPU). Do not stop it."""
+    return engine_pool.shared("engine")
+
+
+@pytest.fixture(scope="session")
+def sync_engine(engine_pool: EnginePool) -> EngineRun:
+    """The shared ``--sync`` engine, limited to ``SYNC_MAX_MODEL_LEN`` tokens per sequence."""
+    return engine_pool.shared("sync_engine")
+
+
+@pytest.fixture(scope="session")
+def text_engine(engine_pool: EnginePool) -> EngineRun:
+    """The shared engine of ``TEXT_MODEL_DIR`` (text prompts, ``Result.text``)."""
+    return engine_pool.shared("text_engine")
+
+
+@pytest.fixture
+def fresh_engine(engine_pool: EnginePool) -> Iterator[EngineRun]:
+    """An engine of this test's own, which it may kill; checked for clean-up afterwards."""
+    run = engine_pool.take_fresh()
+    try:
+        yield run
+        run.finish()
+    finally:
+        if run.process.poll() is None or run.alive_children():
+            run.kill()
+            run.kill_children()
+
+
+@pytest.fixture
+def client(engine: EngineRun) -> Iterator[Client]:
+    with Client(engine.address, connect_timeout=30) as connected:
+        yield connected
