@@ -18,24 +18,18 @@ import atexit
 import glob
 import importlib.util
 import os
-import queue
-import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import pytest
 
 from cbpipe.client import Client
+from cbpipe.engine_process import EngineProcess, EngineStartError
 
 MODEL_FLAGS = ("--model", "random:qwen2-tiny", "--device", "cpu", "--num-blocks", "512")
 VOCAB_SIZE = 512  # of random:qwen2-tiny
@@ -59,141 +53,57 @@ CHILD_EXIT_TIMEOUT_S = 5.0  # after the launcher exited, for its children to be 
 POOL_READY_TIMEOUT_S = 180.0  # pooled engines start side by side and compete for the CPU
 MAX_SPARE_ENGINES = 2  # fresh engines started ahead of the tests that take them
 
-READY_LINE = re.compile(r"^cbpipe ready address=(\S+) scheduler=(\d+) worker=(\d+)\s*$")
-
-
-@dataclass(frozen=True)
-class ReadyLine:
-    """What the launcher's ``cbpipe ready ...`` line says."""
-
-    address: str
-    scheduler_pid: int
-    worker_pid: int
-
-    @classmethod
-    def parse(cls, line: str) -> ReadyLine | None:
-        match = READY_LINE.match(line)
-        if match is None:
-            return None
-        return cls(match[1], int(match[2]), int(match[3]))
-
 
 class EngineRun:
-    """One launcher process, from its start to a checked stop.
-
-    Stdout and stderr are drained by threads (a full pipe would block the engine); the
-    launcher runs in a new session, so its process group holds it and its children.
-    """
+    """A test's engine: an ``EngineProcess``, plus the checks that it stops cleanly and
+    leaves nothing behind, and the pids of its children, so that none can outlive it."""
 
     def __init__(self, flags: Sequence[str]) -> None:
         self.flags = tuple(flags)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cbpipe.launcher", *self.flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.started_at = time.monotonic()
-        _STARTED.append(self)
-        self._stdout: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: closed
-        self._stderr: list[str] = []
-        self._ready: ReadyLine | None = None
+        self.engine = EngineProcess.spawn(self.flags)
+        _STARTED.append(self.engine)
         self._children: dict[int, str] = {}  # pid -> start time, against pid reuse
-        assert self.process.stdout is not None and self.process.stderr is not None
-        _drain(self.process.stdout, self._stdout.put, on_eof=lambda: self._stdout.put(None))
-        _drain(self.process.stderr, self._stderr.append)
-
-    # --- what the ready line said ---------------------------------------------------------
-
-    @property
-    def ready(self) -> ReadyLine:
-        assert self._ready is not None, "the engine is not ready"
-        return self._ready
 
     @property
     def address(self) -> str:
-        return self.ready.address
+        return self.engine.address
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.engine.pid
 
     @property
     def stderr(self) -> str:
-        return "".join(list(self._stderr))
+        return self.engine.stderr
 
-    # --- life cycle -----------------------------------------------------------------------
-
-    def wait_ready(self, timeout: float) -> ReadyLine:
+    def wait_ready(self, timeout: float) -> None:
         """Wait for the ready line (``timeout`` counts from the start); fail with stderr."""
-        deadline = self.started_at + timeout
-        while self._ready is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.kill()
-                pytest.fail(
-                    f"engine {self.flags} not ready within {timeout:.0f} s\nstderr:\n{self.stderr}"
-                )
-            try:
-                line = self._stdout.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                continue
-            if line is None:  # stdout closed: the launcher is gone
-                self.process.wait(STOP_TIMEOUT_S)
-                pytest.fail(
-                    f"engine {self.flags} exited with code {self.process.returncode} "
-                    f"before it was ready\nstderr:\n{self.stderr}"
-                )
-            self._ready = ReadyLine.parse(line)
-        for pid in (self._ready.scheduler_pid, self._ready.worker_pid):
+        try:
+            self.engine.wait_ready(timeout)
+        except EngineStartError as exc:
+            raise pytest.fail.Exception(f"engine {self.flags}: {exc}") from None
+        for pid in (self.engine.scheduler_pid, self.engine.worker_pid):
             start_time = _start_time(pid)
             assert start_time is not None, f"child {pid} named in the ready line is not running"
             self._children[pid] = start_time
-        return self._ready
-
-    def send_signal(self, signum: int, *, whole_group: bool = False) -> None:
-        """Signal the launcher, or (like Ctrl-C in a terminal) its whole process group."""
-        if whole_group:
-            os.killpg(self.pid, signum)
-        else:
-            os.kill(self.pid, signum)
-
-    def wait_exit(self, timeout: float) -> int | None:
-        """The launcher's exit code, or None if it still runs after ``timeout`` seconds."""
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, signum: int = signal.SIGTERM, *, whole_group: bool = False) -> int:
-        """Send ``signum`` and return the exit code; fail if the launcher ignores it."""
-        self.send_signal(signum, whole_group=whole_group)
-        code = self.wait_exit(STOP_TIMEOUT_S)
-        if code is None:
-            self.kill()
-            pytest.fail(
-                f"the launcher did not exit within {STOP_TIMEOUT_S:.0f} s of "
-                f"{signal.Signals(signum).name}\nstderr:\n{self.stderr}"
-            )
-        return code
-
-    def kill(self) -> None:
-        """Last resort: SIGKILL the whole process group."""
-        with suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self.process.wait()
 
     def finish(self) -> None:
         """Stop the engine if it still runs (it must exit 0), then check what it left."""
-        if self.process.poll() is None:
-            code = self.stop()
+        if self.engine.running:
+            self.engine.send_signal(signal.SIGTERM)
+            code = self.engine.wait_exit(STOP_TIMEOUT_S)
+            if code is None:
+                self.engine.kill()
+                pytest.fail(
+                    f"the launcher did not exit within {STOP_TIMEOUT_S:.0f} s of "
+                    f"SIGTERM\nstderr:\n{self.stderr}"
+                )
             assert code == 0, f"SIGTERM: launcher exit code {code}\nstderr:\n{self.stderr}"
         self.assert_cleaned_up()
 
     def assert_cleaned_up(self) -> None:
         """After the launcher exited: no segment, no child, no socket folder of this run."""
-        assert self.process.poll() is not None, "the launcher still runs"
+        assert not self.engine.running, "the launcher still runs"
         segments = leftover_segments(self.pid)
         for path in segments:  # do not let one failure leak into later runs
             os.unlink(path)
@@ -204,6 +114,13 @@ class EngineRun:
         assert not alive, f"child processes left behind: {alive}"
         run_dir = self._run_dir()
         assert run_dir is None or not run_dir.exists(), f"socket folder left behind: {run_dir}"
+
+    def discard(self) -> None:
+        """Whatever happened: kill what is left of the engine and release its files."""
+        if self.engine.running or self.alive_children():
+            self.engine.kill()
+            self.kill_children()
+        self.engine.close()
 
     def kill_children(self) -> None:
         for pid in self.alive_children():
@@ -221,40 +138,29 @@ class EngineRun:
 
     def _run_dir(self) -> Path | None:
         """The launcher's own socket folder, when it chose the client address."""
-        if self._ready is None or not self.address.startswith("ipc://"):
+        if not self.engine.is_ready or not self.address.startswith("ipc://"):
             return None
         folder = Path(self.address.removeprefix("ipc://")).parent
         return folder if folder.name.startswith("cbpipe-") else None
 
 
-_STARTED: list[EngineRun] = []
+_STARTED: list[EngineProcess] = []
 
 
 @atexit.register
 def _kill_leftovers() -> None:
     """A safety net for an aborted session: no engine outlives the test process."""
-    alive = [run for run in _STARTED if run.process.poll() is None]
-    for run in alive:
-        run.send_signal(signal.SIGTERM)
-    for run in alive:
-        if run.wait_exit(STOP_TIMEOUT_S) is None:
-            run.kill()
+    alive = [engine for engine in _STARTED if engine.running]
+    for engine in alive:
+        engine.send_signal(signal.SIGTERM)
+    for engine in alive:
+        if engine.wait_exit(STOP_TIMEOUT_S) is None:
+            engine.kill()
 
 
 def leftover_segments(launcher_pid: int) -> list[str]:
     """Shared-memory segments named after this launcher (``cbpipe-<pid>-<random>``)."""
     return sorted(glob.glob(f"/dev/shm/cbpipe-{launcher_pid}-*"))
-
-
-def _drain(
-    stream: IO[str], on_line: Callable[[str], object], on_eof: Callable[[], object] = lambda: None
-) -> None:
-    def pump() -> None:
-        for line in stream:
-            on_line(line)
-        on_eof()
-
-    threading.Thread(target=pump, daemon=True).start()
 
 
 def _start_time(pid: int) -> str | None:
@@ -283,9 +189,7 @@ def launch_engine(*flags: str, timeout: float = 60.0) -> Iterator[EngineRun]:
         yield run
         run.finish()
     finally:
-        if run.process.poll() is None or run.alive_children():
-            run.kill()
-            run.kill_children()
+        run.discard()
 
 
 # --- engines started ahead, shared or fresh --------------------------------------------------
@@ -339,19 +243,20 @@ class EnginePool:
         """SIGTERM every engine left at once, then check each one's exit and clean-up."""
         runs = [*self._shared.values(), *self._spares]
         for run in runs:
-            if run.process.poll() is None:
-                run.send_signal(signal.SIGTERM)
+            if run.engine.running:
+                run.engine.send_signal(signal.SIGTERM)
         failures = []
         for run in runs:
-            code = run.wait_exit(STOP_TIMEOUT_S)
+            code = run.engine.wait_exit(STOP_TIMEOUT_S)
             if code is None:
-                run.kill()
+                run.engine.kill()
             if code != 0:
                 failures.append(f"{run.flags}: exit code {code} after SIGTERM\n{run.stderr}")
             try:
                 run.assert_cleaned_up()
             except AssertionError as exc:
                 failures.append(f"{run.flags}: {exc}")
+            run.discard()
         assert not failures, "\n".join(failures)
 
     def _top_up(self) -> None:
@@ -405,9 +310,7 @@ def fresh_engine(engine_pool: EnginePool) -> Iterator[EngineRun]:
         yield run
         run.finish()
     finally:
-        if run.process.poll() is None or run.alive_children():
-            run.kill()
-            run.kill_children()
+        run.discard()
 
 
 @pytest.fixture

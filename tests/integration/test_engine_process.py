@@ -43,7 +43,7 @@ def assert_jobs_fail(jobs: list[Job], within_s: float) -> None:
 
 
 def wait_launcher_exit(run: EngineRun, since: float) -> int:
-    code = run.wait_exit(max(since + LAUNCHER_EXIT_S - time.monotonic(), 0.1))
+    code = run.engine.wait_exit(max(since + LAUNCHER_EXIT_S - time.monotonic(), 0.1))
     assert code is not None, (
         f"the launcher still runs {LAUNCHER_EXIT_S:.0f} s later\nstderr:\n{run.stderr}"
     )
@@ -54,7 +54,7 @@ def wait_launcher_exit(run: EngineRun, since: float) -> int:
 def test_killed_child_fails_every_job_and_stops_the_launcher(
     fresh_engine: EngineRun, victim: str
 ) -> None:
-    victim_pid = getattr(fresh_engine.ready, f"{victim}_pid")
+    victim_pid = getattr(fresh_engine.engine, f"{victim}_pid")
     with Client(fresh_engine.address) as client:
         jobs = submit_long_jobs(client, 4)
         os.kill(victim_pid, signal.SIGKILL)
@@ -76,7 +76,7 @@ def stop_with_jobs_in_flight(run: EngineRun, signum: int, *, whole_group: bool) 
     """Signal an engine that is busy: its jobs fail, it exits 0 and leaves nothing behind."""
     with Client(run.address) as client:
         jobs = submit_long_jobs(client, 2)
-        run.send_signal(signum, whole_group=whole_group)
+        run.engine.send_signal(signum, whole_group=whole_group)
         signalled_at = time.monotonic()
         assert_jobs_fail(jobs, JOB_FAILURE_S)
 
@@ -105,7 +105,7 @@ def test_sigterm_to_the_whole_process_group_stops_cleanly(fresh_engine: EngineRu
     Known bug, a race that fails most runs (11 of 13 here): ``Launcher._watch`` takes that
     exit for a crash, prints "the worker exited unexpectedly (code None)" and exits 1.
     """
-    fresh_engine.send_signal(signal.SIGTERM, whole_group=True)
+    fresh_engine.engine.send_signal(signal.SIGTERM, whole_group=True)
     code = wait_launcher_exit(fresh_engine, since=time.monotonic())
     assert code == 0, f"exit code {code}; stderr:\n{fresh_engine.stderr}"
     fresh_engine.assert_cleaned_up()
