@@ -12,6 +12,8 @@
 #   BENCH_1B_REQUESTS=256  requests in the llama-1b benchmark
 #   BENCH_EXTRA=           more scripts/bench.py flags for both benchmarks (word-split; later
 #                          flags win, e.g. "--launch-arg=--block-size=32")
+#   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes)
+#   PYTEST_K=              a pytest -k expression to run part of tests/gpu
 #   TEST_TIMEOUT=180       seconds for pytest tests/gpu
 #   BENCH_TIMEOUT=140      seconds for each benchmark (both modes)
 #   PYTHON=python
@@ -25,6 +27,7 @@ BENCH_SCALE=${BENCH_SCALE:-1}
 BENCH_OUTPUT_LEN=${BENCH_OUTPUT_LEN:-1024}
 BENCH_1B_REQUESTS=${BENCH_1B_REQUESTS:-256}
 TEST_TIMEOUT=${TEST_TIMEOUT:-180}
+BENCH_MODES=${BENCH_MODES:-async,sync}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-140}
 read -r -a bench_extra <<<"${BENCH_EXTRA:-}"
 output_len=$((BENCH_OUTPUT_LEN / BENCH_SCALE))
@@ -50,11 +53,11 @@ for name in ("zmq", "msgpack", "numpy", "pytest"):
     except ImportError:
         print(f"{name} MISSING")
 EOF
-    if [ -d .git ]; then
+    if [ -f COMMIT ]; then
+        echo "commit $(cat COMMIT) (from COMMIT)"
+    elif git rev-parse --verify -q HEAD >/dev/null 2>&1; then
         echo "commit $(git rev-parse HEAD)"
         git status --short | head -20
-    elif [ -f COMMIT ]; then
-        echo "commit $(cat COMMIT) (from COMMIT)"
     else
         echo "commit unknown (no .git, no COMMIT file)"
     fi
@@ -64,7 +67,7 @@ bench() {  # bench NAME ARGS...: both modes, JSON to $OUT/bench_NAME.json
     local name=$1
     shift
     section "bench $name"
-    timeout -k 30 "$BENCH_TIMEOUT" "$PY" scripts/bench.py "$@" \
+    timeout -k 30 "$BENCH_TIMEOUT" "$PY" scripts/bench.py "$@" --modes "$BENCH_MODES" \
         ${bench_extra[@]+"${bench_extra[@]}"} --json "$OUT/bench_$name.json"
 }
 
@@ -75,7 +78,7 @@ if ! "$PY" -c 'import zmq, msgpack' 2>/dev/null; then
 fi
 
 section tests
-timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu -m gpu -v -s 2>&1 \
+timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
     | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 

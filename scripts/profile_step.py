@@ -11,6 +11,7 @@ events) and the top operators from ``torch.profiler``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -36,6 +37,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--grow",
+        action="store_true",
+        help="lengthen the attended key range by one at every step, as real decoding does",
+    )
     args = parser.parse_args()
 
     device = resolve_device(args.device)
@@ -43,7 +49,8 @@ def main() -> None:
     model = load_model(resolve_model(args.model), device, dtype,
                        attn_implementation=attention.register())  # fmt: skip
     bs = args.block_size
-    blocks_per_seq = -(-(args.context + 1) // bs)
+    # Room for the keys a --grow run attends to (they are masked, but gathered).
+    blocks_per_seq = -(-(args.context + 2 * args.steps + 16) // bs)
     num_blocks = args.batch * blocks_per_seq
     kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
     layout = SlotLayout.build(SlotLimits(args.batch, args.batch, blocks_per_seq))
@@ -55,16 +62,23 @@ def main() -> None:
     for i in range(args.batch):
         req = Request(i, [1] * args.context, SamplingParams(1), 0, args.context + 1, frozenset())
         req.num_computed_tokens = args.context - 1  # only the last prompt token is left
-        scheduler.blocks.grow(req.block_ids, args.context)
+        scheduler.blocks.grow(req.block_ids, blocks_per_seq * bs)
         scheduler.add_request(req)
     plan = scheduler.schedule()
     step = BatchPacker(segment, layout, bs).pack(plan, 0, None)
     print(f"{args.model} {dtype} on {device}: decode step of {step.num_seqs} seqs, "
           f"context {step.max_context_len}")  # fmt: skip
 
+    grown = 0
+
     def run(n: int) -> tuple[float, float]:
+        nonlocal grown
         start = time.perf_counter()
-        device_ms = sum(runner.launch(step).wait().device_ms for _ in range(n))
+        device_ms = 0.0
+        for _ in range(n):
+            grown += args.grow
+            this = dataclasses.replace(step, max_context_len=step.max_context_len + grown)
+            device_ms += runner.launch(this).wait().device_ms
         return (time.perf_counter() - start) * 1e3 / n, device_ms / n
 
     run(3)

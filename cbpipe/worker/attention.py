@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "cbpipe_paged"
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -135,14 +137,27 @@ def _attend(
     group: AttentionGroup,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Attention for one group; returns ``[num_seqs, max_q, heads, head_dim]``."""
-    q_g = q[group.row_index].transpose(1, 2)  # [S, H, max_q, D]
+    """Attention for one group; returns ``[num_seqs, max_q, heads, head_dim]``.
+
+    Grouped-query attention is folded into the query length: the ``G`` query heads that share
+    a KV head become ``G`` times as many query rows of that head, so no backend has to
+    support GQA and no KV is repeated. cuDNN's attention is left out: it plans a graph per
+    new shape, and the key length changes at every decode step.
+    """
+    num_seqs, max_q = group.row_index.shape
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    group_size = q.shape[1] // kv_heads
+    q_g = q[group.row_index]  # [S, max_q, H, D]
+    q_g = q_g.view(num_seqs, max_q, kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
+    q_g = q_g.reshape(num_seqs, kv_heads, group_size * max_q, head_dim)  # rows: (g, j)
     k_g = k_cache[group.kv_index].transpose(1, 2).to(q.dtype)  # [S, KVH, max_k, D]
     v_g = v_cache[group.kv_index].transpose(1, 2).to(q.dtype)
-    out = F.scaled_dot_product_attention(
-        q_g, k_g, v_g, attn_mask=group.mask, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2)
+    mask = group.mask.expand(-1, -1, max_q, -1)  # [S, 1, max_q, max_k]
+    mask = mask.repeat(1, 1, group_size, 1)  # [S, 1, G * max_q, max_k], rows (g, j)
+    with sdpa_kernel(_BACKENDS):
+        out = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=mask, scale=scaling)
+    out = out.view(num_seqs, kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, max_q, kv_heads * group_size, head_dim)
 
 
 def register() -> str:
