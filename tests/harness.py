@@ -38,8 +38,8 @@ def paged_model(
 
 
 @cache
-def reference_model(name: str) -> torch.nn.Module:
-    return load_model(resolve_model(name), CPU, torch.float32, attn_implementation="sdpa")
+def reference_model(name: str, device: torch.device = CPU) -> torch.nn.Module:
+    return load_model(resolve_model(name), device, torch.float32, attn_implementation="sdpa")
 
 
 def reference_greedy(
