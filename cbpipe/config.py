@@ -55,6 +55,9 @@ class SchedulerConfig:
     debug_scheduler_delay_ms: float = _opt(
         0.0, "add this much CPU time to every step's packing (to show what asynchrony hides)"
     )
+    trace: str | None = _opt(
+        None, "write a Chrome/Perfetto trace of every step's CPU phases and GPU span here"
+    )
 
 
 @dataclass(frozen=True)

@@ -164,11 +164,16 @@ class StepDone(Message):
     TYPE: ClassVar[str] = "step_done"
     step: int
     slot: int
-    # Worker clock (time.perf_counter_ns, shared by processes on one host): when the step
-    # was received, when its outputs were ready, and GPU time measured by events.
+    # Host clock (time.perf_counter_ns, shared by the processes of one host): when the
+    # worker received the step, and the step's compute span on the device (CUDA events
+    # mapped onto the host clock; wall time on the CPU).
     recv_ns: int
-    done_ns: int
-    device_ms: float
+    device_start_ns: int
+    device_end_ns: int
+
+    @property
+    def device_ms(self) -> float:
+        return (self.device_end_ns - self.device_start_ns) / 1e6
 
 
 @dataclass(frozen=True)

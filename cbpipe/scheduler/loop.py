@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import zmq
 import zmq.utils.monitor
 
-from cbpipe.protocol.messages import Shutdown, StepDone, WorkerFailed, decode, encode
+from cbpipe.protocol.messages import Shutdown, Step, StepDone, WorkerFailed, decode, encode
 from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend
 from cbpipe.scheduler.packer import BatchPacker
+from cbpipe.trace import StepRecord
 
 log = logging.getLogger("cbpipe.scheduler")
 
@@ -35,7 +36,9 @@ class WorkerLost(RuntimeError):
 @dataclass
 class InFlight:
     plan: StepPlan
+    step: Step
     slot: int
+    schedule_start_ns: int
     sent_ns: int
 
 
@@ -52,6 +55,7 @@ class EngineLoop:
         worker_monitor: zmq.Socket,
         sync: bool,
         pack_delay_s: float,
+        record_steps: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.packer = packer
@@ -62,6 +66,7 @@ class EngineLoop:
         self.worker_monitor = worker_monitor
         self.max_in_flight = 1 if sync else 2
         self.pack_delay_s = pack_delay_s
+        self.records: list[StepRecord] | None = [] if record_steps else None
         self.in_flight: deque[InFlight] = deque()
         self.num_slots = packer.layout.num_slots
         self._next_slot = 0
@@ -100,6 +105,7 @@ class EngineLoop:
         )
 
     def _launch(self) -> None:
+        schedule_start_ns = time.perf_counter_ns()
         plan = self.scheduler.schedule()
         if not plan.seqs:
             if not self.in_flight:
@@ -109,24 +115,24 @@ class EngineLoop:
             self._blocked = True  # until a step in flight comes back
             return
         slot = self._next_slot
-        start = time.perf_counter()
         # The previous step in flight (if any) is the one whose sampled ids carry over.
         previous = self._last_slot if self.in_flight else None
         step = self.packer.pack(plan, slot, previous)
         if self.pack_delay_s:
-            _busy_wait_until(start + self.pack_delay_s)
+            _busy_wait_until(schedule_start_ns + int(self.pack_delay_s * 1e9))
         self.steps_socket.send(encode(step))
-        self.in_flight.append(InFlight(plan, slot, time.perf_counter_ns()))
+        sent_ns = time.perf_counter_ns()
+        self.in_flight.append(InFlight(plan, step, slot, schedule_start_ns, sent_ns))
         self._last_slot = slot
         self._next_slot = (slot + 1) % self.num_slots
         log.debug(
-            "step %d: %d seqs, %d tokens (%d decodes) into slot %d, packed in %.2f ms",
+            "step %d: %d seqs, %d tokens (%d decodes) into slot %d, planned in %.2f ms",
             plan.step,
             step.num_seqs,
             step.num_tokens,
             step.num_single_token_seqs,
             slot,
-            (time.perf_counter() - start) * 1e3,
+            (sent_ns - schedule_start_ns) / 1e6,
         )
 
     def _poll(self, timeout_ms: int) -> None:
@@ -152,14 +158,32 @@ class EngineLoop:
         assert isinstance(message, StepDone)
         if not self.in_flight or self.in_flight[0].plan.step != message.step:
             raise WorkerLost(f"worker reported step {message.step} out of order")
+        done_recv_ns = time.perf_counter_ns()
         done = self.in_flight.popleft()
         sampled = self.packer.sampled_ids(done.slot, len(done.plan.seqs))
         self.frontend.publish(self.scheduler.update(done.plan, sampled))
+        update_end_ns = time.perf_counter_ns()
+        if self.records is not None:
+            self.records.append(
+                StepRecord(
+                    step=message.step,
+                    num_seqs=done.step.num_seqs,
+                    num_tokens=done.step.num_tokens,
+                    num_decodes=done.step.num_single_token_seqs,
+                    schedule_start_ns=done.schedule_start_ns,
+                    pack_end_ns=done.sent_ns,
+                    done_recv_ns=done_recv_ns,
+                    update_end_ns=update_end_ns,
+                    device_start_ns=message.device_start_ns,
+                    device_end_ns=message.device_end_ns,
+                )
+            )
         log.debug(
-            "step %d done: %.2f ms on the device, %.2f ms round trip",
+            "step %d done: %.2f ms on the device, %.2f ms round trip, %.2f ms to apply",
             message.step,
             message.device_ms,
-            (time.perf_counter_ns() - done.sent_ns) / 1e6,
+            (done_recv_ns - done.sent_ns) / 1e6,
+            (update_end_ns - done_recv_ns) / 1e6,
         )
 
     def _on_monitor_event(self) -> None:
@@ -168,7 +192,7 @@ class EngineLoop:
             raise WorkerLost("the worker process exited")
 
 
-def _busy_wait_until(deadline: float) -> None:
+def _busy_wait_until(deadline_ns: int) -> None:
     """Stand-in for scheduling work: keeps this process's CPU busy, as real packing would."""
-    while time.perf_counter() < deadline:
+    while time.perf_counter_ns() < deadline_ns:
         pass

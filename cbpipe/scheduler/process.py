@@ -21,6 +21,7 @@ from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
 from cbpipe.scheduler.loop import EngineLoop, WorkerLost
 from cbpipe.scheduler.packer import BatchPacker
+from cbpipe.trace import write_chrome_trace
 
 log = logging.getLogger("cbpipe.scheduler")
 
@@ -53,6 +54,9 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
             ready.send(("failed", traceback.format_exc()))
         exit_code = 1
     finally:
+        if loop is not None and loop.records is not None and spec.config.scheduler.trace:
+            write_chrome_trace(loop.records, spec.config.scheduler.trace)
+            log.info("wrote %d steps to %s", len(loop.records), spec.config.scheduler.trace)
         for socket in sockets.values():
             socket.close(linger=500)  # lets final replies (errors, finishes) go out
         segment.close()
@@ -114,6 +118,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         worker_monitor=sockets["monitor"],
         sync=config.scheduler.sync,
         pack_delay_s=config.scheduler.debug_scheduler_delay_ms / 1e3,
+        record_steps=config.scheduler.trace is not None,
     )
 
 

@@ -54,25 +54,46 @@ class SlotBuffers:
     header: np.ndarray  # host header, read to check the slot holds the announced step
 
 
+class DeviceClock:
+    """Places CUDA events on the host's ``perf_counter_ns`` clock.
+
+    A reference event is recorded on an idle device and waited for; an event's host time is
+    then the reference's host time plus the device time between the two. The error is the
+    latency of that one wait (microseconds), and the clocks drift by parts per million.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+        self.reference = torch.cuda.Event(enable_timing=True)
+        self.reference.record(torch.cuda.current_stream(device))
+        self.reference.synchronize()
+        self.reference_ns = time.perf_counter_ns()
+
+    def host_ns(self, event: torch.cuda.Event) -> int:
+        return self.reference_ns + int(self.reference.elapsed_time(event) * 1e6)
+
+
 @dataclass
 class LaunchedStep:
-    """A step whose work is enqueued; ``wait()`` blocks until its outputs are in shared memory."""
+    """A step whose work is enqueued; ``wait()`` blocks until its outputs are in shared memory.
+
+    On the CPU the work is already done and the compute span is given in host time.
+    """
 
     step: Step
     recv_ns: int
-    d2h_done: torch.cuda.Event | None
-    compute_start: torch.cuda.Event | None
-    compute_end: torch.cuda.Event | None
+    d2h_done: torch.cuda.Event | None = None
+    compute_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    clock: DeviceClock | None = None
+    compute_ns: tuple[int, int] = (0, 0)
 
     def wait(self) -> StepDone:
-        device_ms = 0.0
-        if self.d2h_done is not None:
+        start_ns, end_ns = self.compute_ns
+        if self.d2h_done is not None and self.compute_events is not None:
+            assert self.clock is not None
             self.d2h_done.synchronize()
-            assert self.compute_start is not None and self.compute_end is not None
-            device_ms = self.compute_start.elapsed_time(self.compute_end)
-        return StepDone(
-            self.step.step, self.step.slot, self.recv_ns, time.perf_counter_ns(), device_ms
-        )
+            start_ns, end_ns = (self.clock.host_ns(e) for e in self.compute_events)
+        return StepDone(self.step.step, self.step.slot, self.recv_ns, start_ns, end_ns)
 
 
 class StepRunner:
@@ -104,6 +125,7 @@ class StepRunner:
         num_slots = layout.num_slots
         self.compute_done = [self._event() for _ in range(num_slots)]
         self.d2h_done = [self._event() for _ in range(num_slots)]
+        self.clock = DeviceClock(device) if self.cuda else None
 
     def _event(self, timing: bool = False) -> torch.cuda.Event | None:
         return torch.cuda.Event(enable_timing=timing) if self.cuda else None
@@ -154,7 +176,9 @@ class StepRunner:
             self._wait(h2d_done)
             self._wait(self.d2h_done[k])
             self._record(compute_start)
+            start_ns = time.perf_counter_ns()
             self._compute(step, slot)
+            end_ns = time.perf_counter_ns()
             self._record(compute_end)
             self._record(self.compute_done[k])
 
@@ -170,7 +194,12 @@ class StepRunner:
                     slot.device_output[start : start + nbytes], non_blocking=True
                 )
             self._record(self.d2h_done[k])
-        return LaunchedStep(step, recv_ns, self.d2h_done[k], compute_start, compute_end)
+        if not self.cuda:
+            return LaunchedStep(step, recv_ns, compute_ns=(start_ns, end_ns))
+        assert compute_start is not None and compute_end is not None
+        return LaunchedStep(
+            step, recv_ns, self.d2h_done[k], (compute_start, compute_end), self.clock
+        )
 
     @torch.inference_mode()
     def _compute(self, step: Step, slot: SlotBuffers) -> None:

@@ -1,0 +1,105 @@
+"""Per-step timing on one clock, written as a Chrome/Perfetto trace, and read back for stats.
+
+Every time is ``time.perf_counter_ns()`` (CLOCK_MONOTONIC, shared by the processes of one
+host). The scheduler records its CPU phases; the worker reports the compute span of each
+step (CUDA events mapped onto that clock, or wall time on the CPU) in ``StepDone``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+
+SCHEDULER_PID, WORKER_PID = 1, 2
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_decodes: int
+    schedule_start_ns: int  # the scheduler begins planning the step
+    pack_end_ns: int  # planned and packed (debug delay included); the step is sent
+    done_recv_ns: int  # the scheduler receives step_done
+    update_end_ns: int  # results applied and streamed
+    device_start_ns: int  # the worker's compute span on the device
+    device_end_ns: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == self.num_seqs
+
+
+def write_chrome_trace(records: Iterable[StepRecord], path: str | Path) -> None:
+    """Two rows: the scheduler's CPU phases and the device's compute spans."""
+    events: list[dict] = [
+        {"ph": "M", "name": "process_name", "pid": SCHEDULER_PID, "args": {"name": "CPU"}},
+        {"ph": "M", "name": "process_name", "pid": WORKER_PID, "args": {"name": "GPU"}},
+    ]
+    for r in records:
+        args = {"seqs": r.num_seqs, "tokens": r.num_tokens, "decodes": r.num_decodes}
+        events += [
+            _span("schedule+pack", SCHEDULER_PID, r.schedule_start_ns, r.pack_end_ns, r.step, args),
+            _span("update", SCHEDULER_PID, r.done_recv_ns, r.update_end_ns, r.step, args),
+            _span("step", WORKER_PID, r.device_start_ns, r.device_end_ns, r.step, args),
+        ]
+    trace = {"traceEvents": events, "cbpipe_steps": [asdict(r) for r in records]}
+    Path(path).write_text(json.dumps(trace))
+
+
+def _span(name: str, pid: int, start_ns: int, end_ns: int, step: int, args: dict) -> dict:
+    return {"ph": "X", "name": f"{name} {step}", "cat": name, "pid": pid, "tid": 0,
+            "ts": start_ns / 1e3, "dur": max(end_ns - start_ns, 0) / 1e3, "args": args}  # fmt: skip
+
+
+def load_steps(path: str | Path) -> list[StepRecord]:
+    return [StepRecord(**r) for r in json.loads(Path(path).read_text())["cbpipe_steps"]]
+
+
+@dataclass(frozen=True)
+class BusyStats:
+    num_steps: int
+    span_s: float  # first device start to last device end
+    busy_fraction: float  # device compute time over that span
+    median_gap_ms: float  # device idle between consecutive steps
+    p99_gap_ms: float
+    median_step_ms: float
+    p99_step_ms: float
+    median_scheduler_ms: float  # CPU per step: schedule + pack + update
+
+
+def busy_stats(records: Sequence[StepRecord]) -> BusyStats:
+    """Device busy fraction and idle gaps over ``records`` (for example the decode phase)."""
+    steps = sorted(records, key=lambda r: r.device_start_ns)
+    if not steps:
+        return BusyStats(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    span = steps[-1].device_end_ns - steps[0].device_start_ns
+    busy = sum(r.device_end_ns - r.device_start_ns for r in steps)
+    gaps = [
+        max(b.device_start_ns - a.device_end_ns, 0) / 1e6
+        for a, b in zip(steps, steps[1:], strict=False)
+    ]
+    durations = [(r.device_end_ns - r.device_start_ns) / 1e6 for r in steps]
+    cpu = [(r.pack_end_ns - r.schedule_start_ns + r.update_end_ns - r.done_recv_ns) / 1e6
+           for r in steps]  # fmt: skip
+    return BusyStats(
+        num_steps=len(steps),
+        span_s=span / 1e9,
+        busy_fraction=busy / span if span > 0 else 1.0,
+        median_gap_ms=median(gaps) if gaps else 0.0,
+        p99_gap_ms=_percentile(gaps, 0.99),
+        median_step_ms=median(durations),
+        p99_step_ms=_percentile(durations, 0.99),
+        median_scheduler_ms=median(cpu),
+    )
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]

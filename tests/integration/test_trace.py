@@ -1,0 +1,26 @@
+"""``--trace`` writes every step's CPU phases and device span on one clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cbpipe.client import Client
+from cbpipe.engine_process import EngineProcess
+from cbpipe.trace import busy_stats, load_steps
+
+
+def test_trace_records_every_step_in_causal_order(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    flags = ["--model", "random:qwen2-tiny", "--device", "cpu", "--num-blocks", "128",
+             "--max-batch-tokens", "64", "--max-num-seqs", "8", "--trace", str(path)]  # fmt: skip
+    with EngineProcess.start(flags) as engine, Client(engine.address) as client:
+        client.generate([[5] * 100, [6, 7]], max_new_tokens=20, ignore_eos=True, timeout=60)
+    steps = load_steps(path)
+    # 100 prompt tokens at 64 a step: 2 prefill steps, then decodes until 20 tokens each.
+    assert len(steps) >= 20 and any(s.num_tokens == 64 for s in steps)
+    assert [s.step for s in steps] == sorted(s.step for s in steps)
+    for s in steps:
+        assert s.schedule_start_ns <= s.pack_end_ns <= s.device_start_ns <= s.device_end_ns
+        assert s.device_end_ns <= s.done_recv_ns <= s.update_end_ns
+    stats = busy_stats([s for s in steps if s.is_decode_only])
+    assert 0 < stats.busy_fraction <= 1
