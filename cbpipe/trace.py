@@ -38,7 +38,7 @@ def write_chrome_trace(records: Iterable[StepRecord], path: str | Path) -> None:
     """Two rows: the scheduler's CPU phases and the device's compute spans."""
     events: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": SCHEDULER_PID, "args": {"name": "CPU"}},
-        {"ph": "M", "name": "process_name", "pid": WORKER_PID, "args": {"name": "GPU"}},
+        {"ph": "M", "name": "process_name", "pid": WORKER_PID, "args": {"name": "device"}},
     ]
     for r in records:
         args = {"seqs": r.num_seqs, "tokens": r.num_tokens, "decodes": r.num_decodes}

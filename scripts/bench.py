@@ -20,13 +20,15 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cbpipe.client import Client, Job
 from cbpipe.engine_process import EngineProcess
+from cbpipe.trace import busy_stats, load_steps
 
 MODES = ("async", "sync")
 WARMUP_PROMPT_LEN = 16
@@ -59,6 +61,15 @@ class ModeResult:
     mean_ttft_ms: float
     median_ttft_ms: float
     length_errors: int  # results that did not have exactly their output length
+    start_ns: int  # perf_counter_ns at the first submit (the clock of the engine's trace)
+    # From the engine's step trace, over the measured decode-only steps:
+    decode_steps: int = 0
+    device_busy: float = 0.0  # device compute time over the decode phase's span
+    median_idle_gap_ms: float = 0.0  # device idle between consecutive steps
+    p99_idle_gap_ms: float = 0.0
+    median_step_ms: float = 0.0
+    p99_step_ms: float = 0.0
+    median_scheduler_ms: float = 0.0  # scheduler CPU per step: plan + pack + apply
 
 
 # --- arguments and workload -----------------------------------------------------------------
@@ -98,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for all results")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        help="keep each mode's step trace here (trace_MODE.json; default: a temporary folder)",
+    )
     return p.parse_args(argv)
 
 
@@ -155,16 +171,33 @@ def vocab_size(client: Client, model: str) -> int:
 
 
 def run_mode(
-    args: argparse.Namespace, mode: str, workload: Workload
+    args: argparse.Namespace, mode: str, workload: Workload, trace_dir: Path
 ) -> tuple[ModeResult, list[list[int]]]:
     """Measure one mode; also returns every request's generated token ids."""
+    trace = trace_dir / f"trace_{mode}.json"
+    flags = [*launcher_args(args, mode), "--trace", str(trace)]
     started = time.perf_counter()
-    with EngineProcess.start(launcher_args(args, mode), timeout=args.ready_timeout) as engine:
+    with EngineProcess.start(flags, timeout=args.ready_timeout) as engine:
         try:
-            return _run_on(engine, args, mode, workload, time.perf_counter() - started)
+            result, outputs = _run_on(engine, args, mode, workload, time.perf_counter() - started)
         except Exception:
             print(f"engine log:\n{engine.stderr}", file=sys.stderr)
             raise
+    # The scheduler writes the trace as it stops; steps of the warm-up come before the
+    # measurement's first submit.
+    measured = [r for r in load_steps(trace) if r.schedule_start_ns >= result.start_ns]
+    stats = busy_stats([r for r in measured if r.is_decode_only])
+    result = replace(
+        result,
+        decode_steps=stats.num_steps,
+        device_busy=round(stats.busy_fraction, 4),
+        median_idle_gap_ms=round(stats.median_gap_ms, 3),
+        p99_idle_gap_ms=round(stats.p99_gap_ms, 3),
+        median_step_ms=round(stats.median_step_ms, 3),
+        p99_step_ms=round(stats.p99_step_ms, 3),
+        median_scheduler_ms=round(stats.median_scheduler_ms, 3),
+    )
+    return result, outputs
 
 
 def _run_on(
@@ -197,6 +230,7 @@ def measure(
     startup_s: float,
     timeout: float,
 ) -> tuple[ModeResult, list[list[int]]]:
+    start_ns = time.perf_counter_ns()
     start = time.perf_counter()
     jobs = [
         client.submit(p, max_new_tokens=n, ignore_eos=True)
@@ -233,6 +267,7 @@ def measure(
         mean_ttft_ms=round(statistics.fmean(ttft_ms), 2) if ttft_ms else float("nan"),
         median_ttft_ms=round(statistics.median(ttft_ms), 2) if ttft_ms else float("nan"),
         length_errors=errors,
+        start_ns=start_ns,
     )
     return result, [r.token_ids for r in results]
 
@@ -257,6 +292,13 @@ ROWS = (
     ("median TTFT ms", "median_ttft_ms", "{:.1f}"),
     ("engine start s", "startup_s", "{:.1f}"),
     ("length errors", "length_errors", "{}"),
+    ("decode steps", "decode_steps", "{}"),
+    ("device busy", "device_busy", "{:.2%}"),
+    ("idle gap ms p50", "median_idle_gap_ms", "{:.3f}"),
+    ("idle gap ms p99", "p99_idle_gap_ms", "{:.3f}"),
+    ("step ms p50", "median_step_ms", "{:.2f}"),
+    ("step ms p99", "p99_step_ms", "{:.2f}"),
+    ("sched. CPU ms/step", "median_scheduler_ms", "{:.2f}"),
 )
 
 
@@ -316,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(args)
     results: dict[str, ModeResult] = {}
     outputs: dict[str, list[list[int]]] = {}
+    temporary = tempfile.TemporaryDirectory(prefix="cbpipe-bench-")
+    trace_dir = args.trace_dir or Path(temporary.name)
+    trace_dir.mkdir(parents=True, exist_ok=True)
     for mode in args.modes:
         print(f"--- {mode}: cbpipe-launch {' '.join(launcher_args(args, mode))}", flush=True)
-        results[mode], outputs[mode] = run_mode(args, mode, workload)
+        results[mode], outputs[mode] = run_mode(args, mode, workload, trace_dir)
         print(json.dumps(asdict(results[mode])), flush=True)
         if args.json is not None:  # after each mode, so a timeout keeps what was measured
             write_json(args.json, args, results, same_outputs(outputs))

@@ -43,10 +43,10 @@ def draw(ax: plt.Axes, title: str, records: list[StepRecord]) -> None:
         ax.broken_barh([(ms(r.device_start_ns), ms(r.device_end_ns) - ms(r.device_start_ns))],
                        (0.1, 0.8), color=COLORS["gpu"], edgecolor="white")  # fmt: skip
     stats = busy_stats(records)
-    ax.set_title(f"{title}: GPU busy {stats.busy_fraction:.1%}, median idle gap "
+    ax.set_title(f"{title}: device busy {stats.busy_fraction:.1%}, median idle gap "
                  f"{stats.median_gap_ms:.2f} ms, median step {stats.median_step_ms:.2f} ms",
                  fontsize=9, loc="left")  # fmt: skip
-    ax.set_yticks([0.5, 1.5], ["GPU", "CPU"])
+    ax.set_yticks([0.5, 1.5], ["device", "CPU"])
     ax.set_ylim(0, 2)
 
 
@@ -67,7 +67,7 @@ def main() -> None:
         draw(ax, label, stretch(load_steps(path), args.steps))
     axes[-1, 0].set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    fig.legend(handles, ["schedule + pack", "apply results + stream", "GPU step"],
+    fig.legend(handles, ["schedule + pack", "apply results + stream", "device step"],
                loc="lower right", ncol=3, fontsize=8)  # fmt: skip
     if args.title:
         fig.suptitle(args.title, fontsize=10)
