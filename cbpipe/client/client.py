@@ -27,6 +27,7 @@ from cbpipe.protocol.messages import (
     Error,
     ErrorKind,
     Finished,
+    Goodbye,
     Hello,
     Message,
     ProtocolError,
@@ -39,6 +40,8 @@ from cbpipe.protocol.messages import (
 from cbpipe.protocol.sampling import SamplingParams
 
 log = logging.getLogger("cbpipe.client")
+
+CLOSE_LINGER_MS = 200  # time to deliver the goodbye to an engine that is still there
 
 
 class RequestError(ValueError):
@@ -227,12 +230,14 @@ class Client:
     def close(self) -> None:
         if self._closing:
             return
+        if self._failure is None:
+            self._send(Goodbye())  # the engine cancels what is still running for us
         self._closing = True
         os.write(self._wake_write, b"x")
         self._thread.join(timeout=5)
         self._fail_all(EngineError("the client was closed"))
         self._monitor.close(linger=0)
-        self._socket.close(linger=0)
+        self._socket.close(linger=CLOSE_LINGER_MS)
         self._context.term()
         os.close(self._wake_read)
         os.close(self._wake_write)
@@ -268,13 +273,17 @@ class Client:
             if self._wake_read in events:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 65536)
-                while not self._outbox.empty():
-                    self._socket.send(self._outbox.get())
+                self._send_queued()
             if self._monitor in events:
                 self._on_monitor_event(zmq.utils.monitor.recv_monitor_message(self._monitor))
             if self._socket in events:
                 while self._socket.poll(0):
                     self._on_frame(self._socket.recv())
+        self._send_queued()  # the goodbye may have been queued after the last wake-up
+
+    def _send_queued(self) -> None:
+        while not self._outbox.empty():
+            self._socket.send(self._outbox.get())
 
     def _on_monitor_event(self, event: Mapping[str, Any]) -> None:
         if event["event"] == zmq.EVENT_DISCONNECTED:

@@ -82,6 +82,16 @@ class Cancel(Message):
 
 
 @dataclass(frozen=True)
+class Goodbye(Message):
+    """Client -> scheduler: the client is closing; its unfinished jobs are cancelled.
+
+    A client that dies without saying goodbye leaves its jobs to run to their limits.
+    """
+
+    TYPE: ClassVar[str] = "goodbye"
+
+
+@dataclass(frozen=True)
 class Tokens(Message):
     """Scheduler -> client: newly known tokens of the client's jobs, one frame per step.
 
@@ -196,6 +206,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Welcome,
         Submit,
         Cancel,
+        Goodbye,
         Tokens,
         Finished,
         Error,

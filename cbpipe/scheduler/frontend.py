@@ -22,6 +22,7 @@ from cbpipe.protocol.messages import (
     ErrorKind,
     Finished,
     FinishReasonName,
+    Goodbye,
     Hello,
     Message,
     ProtocolError,
@@ -77,6 +78,7 @@ class Frontend:
             Hello: self._on_hello,
             Submit: self._on_submit,
             Cancel: self._on_cancel,
+            Goodbye: self._on_goodbye,
         }
 
     # --- inbound ------------------------------------------------------------------------
@@ -129,6 +131,16 @@ class Frontend:
         req = self.scheduler.cancel(engine_id)
         if req is not None:
             self._finish(req)
+
+    def _on_goodbye(self, identity: bytes, message: Message) -> None:
+        """The client is closing and nobody will read these jobs' tokens: stop them now."""
+        orphans = [eid for origin, eid in self._engine_ids.items() if origin.identity == identity]
+        for engine_id in orphans:
+            req = self.scheduler.cancel(engine_id)
+            if req is not None:
+                self._finish(req)
+        if orphans:
+            log.info("client %s closed: cancelled %d jobs", identity.hex(), len(orphans))
 
     def _make_request(self, origin: Origin, message: Submit) -> Request:
         if origin in self._engine_ids:
