@@ -201,14 +201,8 @@ class Client:
             params.validate()
         except ValueError as exc:
             raise RequestError(str(exc)) from None
-        if not isinstance(prompt, str):
-            if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
-                raise RequestError("a prompt must be a string or a list of integer token ids")
-            prompt = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-                raise RequestError("a prompt must be a string or a list of integer token ids")
         job = Job(next(self._ids), self)
-        frame = encode(Submit(job.request_id, prompt, params))
+        frame = encode(Submit(job.request_id, _prompt_payload(prompt), params))
         if len(frame) > MAX_FRAME_BYTES:
             raise RequestError(
                 f"request of {len(frame)} bytes exceeds the engine's frame "
@@ -330,3 +324,14 @@ class Client:
         for job in jobs:
             job._fail(error)
         self._welcomed.set()
+
+
+def _prompt_payload(prompt: object) -> str | list[int]:
+    """A text prompt as is, or token ids as a list; anything else is a ``RequestError``."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        token_ids = list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            return token_ids
+    raise RequestError("a prompt must be a string or a list of integer token ids")
