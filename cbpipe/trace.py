@@ -22,6 +22,7 @@ class StepRecord:
     num_seqs: int
     num_tokens: int
     num_decodes: int
+    num_context_tokens: int  # KV entries the step attends to, summed over its sequences
     schedule_start_ns: int  # the scheduler begins planning the step
     pack_end_ns: int  # planned and packed (debug delay included); the step is sent
     done_recv_ns: int  # the scheduler receives step_done

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from cbpipe.client import Client, Job
 from cbpipe.engine_process import EngineProcess
+from cbpipe.roofline import DecodeBytes, copy_bandwidth, decode_bytes, floor_seconds
 from cbpipe.trace import busy_stats, load_steps
 
 MODES = ("async", "sync")
@@ -70,6 +71,10 @@ class ModeResult:
     median_step_ms: float = 0.0
     p99_step_ms: float = 0.0
     median_scheduler_ms: float = 0.0  # scheduler CPU per step: plan + pack + apply
+    # On CUDA only (None elsewhere):
+    decode_s: float | None = None  # first decode step's start to last one's end, on the device
+    decode_floor_s: float | None = None  # the same steps' bytes over the measured bandwidth
+    floor_ratio: float | None = None  # decode_s / decode_floor_s
 
 
 # --- arguments and workload -----------------------------------------------------------------
@@ -171,7 +176,7 @@ def vocab_size(client: Client, model: str) -> int:
 
 
 def run_mode(
-    args: argparse.Namespace, mode: str, workload: Workload, trace_dir: Path
+    args: argparse.Namespace, mode: str, workload: Workload, trace_dir: Path, floor: Floor | None
 ) -> tuple[ModeResult, list[list[int]]]:
     """Measure one mode; also returns every request's generated token ids."""
     trace = trace_dir / f"trace_{mode}.json"
@@ -186,7 +191,16 @@ def run_mode(
     # The scheduler writes the trace as it stops; steps of the warm-up come before the
     # measurement's first submit.
     measured = [r for r in load_steps(trace) if r.schedule_start_ns >= result.start_ns]
-    stats = busy_stats([r for r in measured if r.is_decode_only])
+    decodes = [r for r in measured if r.is_decode_only]
+    stats = busy_stats(decodes)
+    if floor is not None and decodes:
+        floor_s = floor_seconds(decodes, floor.sizes, floor.bytes_per_second)
+        result = replace(
+            result,
+            decode_s=round(stats.span_s, 3),
+            decode_floor_s=round(floor_s, 3),
+            floor_ratio=round(stats.span_s / floor_s, 3),
+        )
     result = replace(
         result,
         decode_steps=stats.num_steps,
@@ -299,7 +313,39 @@ ROWS = (
     ("step ms p50", "median_step_ms", "{:.2f}"),
     ("step ms p99", "p99_step_ms", "{:.2f}"),
     ("sched. CPU ms/step", "median_scheduler_ms", "{:.2f}"),
+    ("decode s", "decode_s", "{:.2f}"),
+    ("decode floor s", "decode_floor_s", "{:.2f}"),
+    ("x floor", "floor_ratio", "{:.2f}"),
 )
+
+
+@dataclass(frozen=True)
+class Floor:
+    """What the bandwidth floor needs: bytes per decode step and the device's copy rate."""
+
+    sizes: DecodeBytes
+    bytes_per_second: float
+
+
+def measure_floor(args: argparse.Namespace) -> Floor | None:
+    """On CUDA: the model's decode bytes and this device's copy bandwidth, measured now."""
+    import torch
+
+    from cbpipe.models import resolve_model
+
+    if args.device == "cpu" or not torch.cuda.is_available():
+        return None
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(args.dtype, torch.bfloat16)
+    sizes = decode_bytes(resolve_model(args.model).config, dtype)
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    torch.cuda.empty_cache()
+    print(
+        f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"{sizes.weight_bytes / 1e9:.2f} GB of weights and "
+        f"{sizes.kv_bytes_per_token} KV bytes per token read per decode step",
+        flush=True,
+    )
+    return Floor(sizes, bandwidth)
 
 
 def same_outputs(outputs: dict[str, list[list[int]]]) -> int | None:
@@ -328,7 +374,8 @@ def print_table(
     )
     print(f"{'':16}" + "".join(f"{m:>12}" for m in modes))
     for label, key, fmt in ROWS:
-        cells = "".join(f"{fmt.format(getattr(results[m], key)):>12}" for m in modes)
+        values = [getattr(results[m], key) for m in modes]
+        cells = "".join(f"{'n/a' if v is None else fmt.format(v):>12}" for v in values)
         print(f"{label:16}{cells}")
     if (gain := speedup(results)) is not None:
         print(f"async speed-up (output tok/s): {gain:.3f}x")
@@ -358,12 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(args)
     results: dict[str, ModeResult] = {}
     outputs: dict[str, list[list[int]]] = {}
+    floor = measure_floor(args)
     temporary = tempfile.TemporaryDirectory(prefix="cbpipe-bench-")
     trace_dir = args.trace_dir or Path(temporary.name)
     trace_dir.mkdir(parents=True, exist_ok=True)
     for mode in args.modes:
         print(f"--- {mode}: cbpipe-launch {' '.join(launcher_args(args, mode))}", flush=True)
-        results[mode], outputs[mode] = run_mode(args, mode, workload, trace_dir)
+        results[mode], outputs[mode] = run_mode(args, mode, workload, trace_dir, floor)
         print(json.dumps(asdict(results[mode])), flush=True)
         if args.json is not None:  # after each mode, so a timeout keeps what was measured
             write_json(args.json, args, results, same_outputs(outputs))

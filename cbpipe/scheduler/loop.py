@@ -170,6 +170,7 @@ class EngineLoop:
                     num_seqs=done.step.num_seqs,
                     num_tokens=done.step.num_tokens,
                     num_decodes=done.step.num_single_token_seqs,
+                    num_context_tokens=sum(s.start + s.num_query_tokens for s in done.plan.seqs),
                     schedule_start_ns=done.schedule_start_ns,
                     pack_end_ns=done.sent_ns,
                     done_recv_ns=done_recv_ns,

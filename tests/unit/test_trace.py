@@ -7,7 +7,7 @@ MS = 1_000_000
 
 def record(step: int, device_start_ms: float, device_end_ms: float) -> StepRecord:
     start, end = int(device_start_ms * MS), int(device_end_ms * MS)
-    return StepRecord(step, 4, 4, 4, start - MS, start, end, end + MS // 2, start, end)
+    return StepRecord(step, 4, 4, 4, 400, start - MS, start, end, end + MS // 2, start, end)
 
 
 def test_busy_fraction_and_gaps() -> None:
