@@ -153,16 +153,3 @@ def _strip_optional(hint: Any) -> Any:
         if len(options) == 1:
             return options[0]
     return hint
-
-
-def to_dict(config: EngineConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
-
-
-def from_dict(values: dict[str, Any]) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(**values["model"]),
-        cache=CacheConfig(**values["cache"]),
-        scheduler=SchedulerConfig(**values["scheduler"]),
-        **{k: v for k, v in values.items() if k not in ("model", "cache", "scheduler")},
-    )

@@ -67,10 +67,6 @@ class ModelSource:
     config: PretrainedConfig
 
     @property
-    def is_random(self) -> bool:
-        return self.path is None
-
-    @property
     def tokenizer_path(self) -> Path | None:
         return self.path
 

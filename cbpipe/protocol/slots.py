@@ -186,10 +186,6 @@ class SlotLayout:
     def output_offset(self) -> int:
         return self.input_nbytes
 
-    @property
-    def output_nbytes(self) -> int:
-        return self.slot_nbytes - self.input_nbytes
-
     def input_nbytes_used(self, num_seqs: int, block_table_width: int) -> int:
         """Bytes of the input region a step actually uses: everything up to its block tables."""
         tables = self.fields["block_tables"]
