@@ -160,18 +160,6 @@ def launcher_args(args: argparse.Namespace, mode: str) -> list[str]:
     return cmd + list(args.launch_arg)
 
 
-# --- the engine -----------------------------------------------------------------------------
-
-
-def vocab_size(client: Client, model: str) -> int:
-    size = getattr(client, "vocab_size", None)  # the Welcome carries it; the Client may not
-    if size is None:
-        from cbpipe.models import resolve_model
-
-        size = resolve_model(model).config.get_text_config().vocab_size
-    return int(size)
-
-
 # --- one mode -------------------------------------------------------------------------------
 
 
@@ -225,7 +213,7 @@ def _run_on(
                 f"prompt + output of {longest} tokens exceeds the engine's "
                 f"max_model_len of {client.max_model_len}"
             )
-        vocab = vocab_size(client, args.model)
+        vocab = client.vocab_size
         warm_up(client, vocab)
         prompts = workload.prompts(vocab)
         return measure(client, mode, prompts, workload.output_lens, startup_s, args.timeout)

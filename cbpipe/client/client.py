@@ -181,6 +181,12 @@ class Client:
         assert self._welcome is not None
         return self._welcome.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids in a prompt must lie in ``[0, vocab_size)``."""
+        assert self._welcome is not None
+        return self._welcome.vocab_size
+
     def submit(
         self,
         prompt: str | Sequence[int],
