@@ -1,0 +1,482 @@
+"""Paged decode attention: one query token per sequence against its paged KV cache, in Triton.
+
+Layout (as in ``cbpipe.worker.attention``): the caches are ``[num_slots, num_kv_heads,
+head_dim]`` with slot ``block_id * block_size + offset``; the block tables are one flat int32
+buffer where sequence ``s`` owns ``block_tables[s * width : (s + 1) * width]``, and ``width``
+is read from a one-element device tensor inside the kernel, like the context lengths. Nothing
+about the launch depends on a device value: grids, scratch shapes and the number of splits
+come from host integers, so a call never synchronises and can be captured in a CUDA graph
+once and replayed with new lengths, tables and widths written in place.
+
+Design:
+
+* One program per (sequence, KV head, split) handles all ``G`` query heads that share the KV
+  head (grouped-query attention), so each key and value is read from memory once per split,
+  not ``G`` times. The ``G`` rows are padded to 16 (masked) because ``tl.dot`` needs at least
+  16 rows; decode is bound by memory, so the idle rows of the tensor-core tile cost nothing.
+* Keys are visited in tiles of ``BLOCK_N`` tokens, independent of the page size: each token's
+  slot is looked up in the block table, so any block size works with the same tile.
+* Split-KV (flash-decoding): each program walks its keys serially, and there are only
+  ``num_seqs * num_kv_heads`` (sequence, KV head) pairs. With fewer pairs than SMs, say batch
+  4 with 8 KV heads (32 pairs) on the 132 SMs of an H100/H200, most of the GPU idles through a
+  long context. Splitting each sequence's keys into ``num_splits`` contiguous ranges multiplies
+  the programs; each writes a partial softmax state (running max, sum and unnormalised output,
+  float32) and a second small kernel merges the splits. The ranges are computed in the kernel
+  from the loaded context length, so splits past the end of a short sequence are empty: they
+  write an empty state that the merge gives zero weight. With one split the first kernel
+  writes the output itself and the merge is skipped. Measured on an H200 (bf16, head_dim 128,
+  8 KV heads, 8192 tokens): batch 4 took 157 us with one split and 49 us with eight; at batch
+  32 (256 pairs, about two per SM) one split was already the fastest, at about 4.1 TB/s, with
+  128-token tiles and two pipeline stages keeping enough loads in flight. Hence the default:
+  split only when the pairs do not cover the SMs.
+* Softmax runs in float32 in the base-2 domain (the scale is multiplied by log2(e) once), the
+  usual online-softmax rescaling across tiles.
+
+Only long-stable ``tl`` operations are used (masked loads and stores, ``tl.dot``, ``tl.exp2``),
+so the kernels compile with the Triton of torch 2.11 through Triton 3.9, and run under
+Triton's CPU interpreter (``TRITON_INTERPRET=1`` before this module is imported).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+_MAX_SPLITS = 64
+# Launch settings, tuned on an H200 with ``scripts/bench_attention.py --sweep`` (which
+# overrides these module attributes). A K or V tile holds at most _TILE_BYTES: with two of
+# them per stage, two stages stay well inside the 228 KB of shared memory of an SM, so
+# float32 or head_dim 256 get shorter tiles rather than a launch that fails for lack of it.
+_MAX_BLOCK_N = 128
+_TILE_BYTES = 32 * 1024
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+# Programs per SM that a split launch aims for, when the unsplit pairs are fewer than the SMs.
+_SPLIT_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    tile,
+    end,
+    table,
+    k_head,
+    v_head,
+    stride_k_slot,
+    stride_v_slot,
+    qk_scale,
+    dims,
+    dim_ok,
+    io_dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online-softmax update of (m_i, l_i, acc) with the keys at positions tile .. tile+BLOCK_N."""
+    pos = tile + tl.arange(0, BLOCK_N)
+    pos_ok = pos < end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    # int64: slot * stride overflows int32 on caches of a few GB.
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    # Loaded transposed, [BLOCK_D, BLOCK_N], so the product needs no tl.trans.
+    k = tl.load(
+        k_head + slot[None, :] * stride_k_slot + dims[:, None],
+        mask=pos_ok[None, :] & dim_ok[:, None],
+        other=0.0,
+    )
+    # "ieee": float32 inputs would otherwise be rounded to tf32; 16-bit ones ignore it.
+    scores = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale
+    scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+
+    # Every tile holds at least one valid key, so m_new is finite and no NaN arises.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v = tl.load(
+        v_head + slot[:, None] * stride_v_slot + dims[None, :],
+        mask=pos_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    # p is rounded to the input dtype as on the GPU, whether or not the dot is upcast.
+    p = p.to(io_dtype).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    width_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    stride_q_seq,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_o_seq,
+    stride_o_head,
+    num_heads,
+    num_splits,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_OUTPUT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    io_dtype = q_ptr.dtype.element_ty
+
+    rows = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * GROUP + rows
+
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if INTERPRETED:
+        # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; there the dots
+        # run on float32 copies of the (already 16-bit) values instead.
+        q = q.to(tl.float32)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    width = tl.load(width_ptr)
+    # Whole tiles per split, so only a split's last tile (and the sequence's) is ragged.
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
+    table = tables_ptr + seq.to(tl.int64) * width
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    k_head = k_ptr + kv_head * stride_k_head
+    v_head = v_ptr + kv_head * stride_v_head
+    if INTERPRETED:
+        # Triton 3.6's interpreter turns range() bounds into ints with int() of a 1-element
+        # array, which numpy >= 2.5 refuses; a while loop only needs bool().
+        tile = start
+        while tile < end:
+            m_i, l_i, acc = _attend_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                tile,
+                end,
+                table,
+                k_head,
+                v_head,
+                stride_k_slot,
+                stride_v_slot,
+                qk_scale,
+                dims,
+                dim_ok,
+                io_dtype,
+                BLOCK_SIZE,
+                BLOCK_N,
+            )
+            tile += BLOCK_N
+    else:
+        for tile in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                tile,
+                end,
+                table,
+                k_head,
+                v_head,
+                stride_k_slot,
+                stride_v_slot,
+                qk_scale,
+                dims,
+                dim_ok,
+                io_dtype,
+                BLOCK_SIZE,
+                BLOCK_N,
+            )
+
+    if WRITE_OUTPUT:
+        # One split: an empty sequence leaves l_i = 0 and acc = 0: its output is zeros.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+    else:
+        part = (seq * num_heads + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    out_ptr,
+    stride_o_seq,
+    stride_o_head,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < num_splits
+    part = (seq * num_heads + head) * num_splits + splits
+
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    # Empty splits have m = -inf; if all are empty, subtracting 0 instead of -inf keeps every
+    # weight exp2(-inf) = 0 rather than NaN, and the output row is zeros.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(w * sums, 0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_ok[:, None], other=0.0
+    )
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_o_seq + head * stride_o_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+# The decorators above return interpreter objects when TRITON_INTERPRET=1 was set at import.
+_INTERPRETED = not isinstance(_split_kv_kernel, triton.runtime.jit.JITFunction)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits_for(num_pairs: int, num_sms: int) -> int:
+    """Splits per sequence for ``num_pairs`` (sequence, KV head) pairs on ``num_sms`` SMs.
+
+    One split once the pairs cover the SMs (more only added merge work in measurements);
+    otherwise enough splits for ``_SPLIT_PROGRAMS_PER_SM`` programs per SM. The context
+    lengths are unknown here, so a short batch may get splits that turn out empty; those
+    programs exit after writing an empty state, far cheaper than idle SMs on a long context.
+    """
+    if num_pairs >= num_sms:
+        return 1
+    return min(_MAX_SPLITS, triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, max(1, num_pairs)))
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per sequence from host-known sizes only (never from device values).
+
+    Off CUDA (the interpreter) one SM is assumed, so that is always one split.
+    """
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    return num_splits_for(num_seqs * num_kv_heads, sms)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_table_width: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attend each sequence's one query token to its cached keys and values.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]``, bf16, fp16 or fp32.
+        key_cache: ``[num_slots, num_kv_heads, head_dim]``, slot ``block * block_size + i``;
+            the last dimension contiguous. Loaded values are cast to the query's dtype.
+        value_cache: like ``key_cache``.
+        block_tables: flat contiguous int32; sequence ``s``'s block ids are
+            ``block_tables[s * width : (s + 1) * width]``.
+        block_table_width: one-element integer device tensor holding ``width``, read in the
+            kernel (so a captured graph picks up a new width written in place).
+        context_lens: ``[num_seqs]`` integer; keys ``0 .. context_len - 1`` are attended, and
+            a 0 gives a zero output row. ``context_len <= width * block_size`` is the caller's
+            to keep; nothing checks it on the device.
+        block_size: tokens per cache block.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        num_splits: key ranges per sequence; None picks ``default_num_splits``.
+        out: optional ``[num_seqs, num_heads, head_dim]`` output of the query's dtype.
+
+    Returns:
+        ``out`` (allocated if not given).
+    """
+    if query.dim() != 3 or key_cache.dim() != 3 or key_cache.shape[2] != query.shape[2]:
+        raise ValueError(f"query {tuple(query.shape)} and key_cache {tuple(key_cache.shape)}")
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
+    tensors = (key_cache, value_cache, block_tables, block_table_width, context_lens)
+    if any(t.device != query.device for t in tensors):
+        raise ValueError("all tensors must be on the query's device")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache {value_cache.shape} differs from key_cache")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if key_cache.stride(2) != 1 or value_cache.stride(2) != 1:
+        raise ValueError("the caches' head_dim must be contiguous")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 1:
+        raise ValueError("block_tables must be a flat int32 tensor")
+    if block_tables.stride(0) != 1:
+        raise ValueError("block_tables must be contiguous")
+    if block_table_width.numel() != 1:
+        raise ValueError("block_table_width must hold exactly one element")
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens {tuple(context_lens.shape)} != ({num_seqs},)")
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError("out must match the query's shape and dtype, head_dim contiguous")
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, query.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
+    if num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_g = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    itemsize = max(query.element_size(), key_cache.element_size())
+    block_n = max(16, min(_MAX_BLOCK_N, _TILE_BYTES // (block_d * itemsize)))
+    if num_splits == 1:
+        # Never read: the split kernel writes the output directly.
+        part_max = part_sum = part_acc = out
+    else:
+        part_max = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(
+            (num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device
+        )
+
+    _split_kv_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        block_table_width,
+        context_lens,
+        out,
+        part_max,
+        part_sum,
+        part_acc,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        num_splits,
+        scale * _LOG2E,
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        WRITE_OUTPUT=num_splits == 1,
+        INTERPRETED=_INTERPRETED,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_max,
+            part_sum,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def paged_decode_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_table_width: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """The ground truth for ``paged_decode_attention``: a plain loop, float32 math.
+
+    Reads device values on the host, so it syncs and cannot be captured. Returns float32.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    group = num_heads // key_cache.shape[1]
+    width = int(block_table_width.reshape(-1)[0])
+    tables = block_tables.long()
+    out = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    for s in range(num_seqs):
+        n = int(context_lens[s])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=query.device)
+        slots = tables[s * width + pos // block_size] * block_size + pos % block_size
+        k = key_cache[slots].float().repeat_interleave(group, dim=1)  # [n, heads, head_dim]
+        v = value_cache[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[s].float(), k) * scale
+        out[s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
+    return out

@@ -1,0 +1,299 @@
+"""The Triton paged decode kernel against its plain-torch reference.
+
+Without CUDA the kernel runs under Triton's CPU interpreter. ``TRITON_INTERPRET=1`` only takes
+effect if it is set before the kernel module's ``@triton.jit`` decorators run, which a test
+module cannot guarantee (another test may have imported the kernel already), so every CPU
+case runs in one subprocess started with the variable set: ``python -m`` on this module. The
+subprocess prints one JSON line of results; each parametrised test checks its own case.
+
+With CUDA the same cases (and larger ones) run on the GPU in this process, plus a test that
+captures the kernel in a CUDA graph and replays it after rewriting lengths, tables and width
+in place. Run them with ``pytest tests/unit/test_paged_decode_kernel.py -m gpu``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_RESULT_PREFIX = "PAGED_DECODE_RESULTS "
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Worst absolute error allowed against the float32 reference (outputs are O(1)). 16-bit
+# inputs round the probabilities and the output to 8 (bf16) or 11 (fp16) mantissa bits.
+_ATOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    block_size: int
+    context_lens: tuple[int, ...]
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_dim: int
+    num_splits: int | None
+    spare_width: int = 3  # table entries per sequence beyond what its context needs
+    strided_query: bool = False  # query as a view into a wider [num_seqs, ..., head_dim] buffer
+    given_out: bool = False
+    seed: int = 0
+
+
+def _edges(block_size: int) -> tuple[int, ...]:
+    return (1, block_size - 1, block_size, block_size + 1)
+
+
+CPU_CASES = [
+    Case("edges-bs8-g1-fp32", "float32", 8, _edges(8), 2, 1, 64, 1),
+    Case("edges-bs16-g4-fp32-split3", "float32", 16, _edges(16), 2, 4, 64, 3),
+    Case("edges-bs32-g8-fp32-split2", "float32", 32, _edges(32), 1, 8, 64, 2),
+    Case("tile-edges-bs16-fp32", "float32", 16, (63, 64, 65, 127, 128, 129, 257), 2, 4, 64, 2),
+    Case("tiles-per-split-fp32", "float32", 16, (700, 300, 0, 1), 1, 4, 64, 3),
+    Case("mix-bs8-g4-fp32-split4", "float32", 8, (0, 7, 200, 1, 65, 0, 33), 2, 4, 64, 4),
+    Case("mix-bs16-g8-d128-fp32", "float32", 16, (200, 0, 17, 48), 1, 8, 128, 3),
+    Case("mix-bs32-g1-d128-fp32", "float32", 32, (199, 5, 0, 96), 2, 1, 128, 1),
+    Case("auto-splits-fp32", "float32", 16, (0, 3, 150, 64), 2, 4, 64, None),
+    Case("more-splits-than-tiles", "float32", 8, (17, 1, 0, 70), 2, 4, 64, 7),
+    Case("all-empty", "float32", 16, (0, 0, 0), 2, 4, 64, 3),
+    Case("all-empty-one-split", "float32", 16, (0, 0), 2, 4, 64, 1),
+    Case("head-dim-80", "float32", 16, (40, 0, 90), 2, 2, 80, 2),
+    Case("wide-table-strided-query-out", "float32", 16, (30, 100), 2, 4, 64, 2, 9, True, True),
+    Case("group-32", "float32", 16, (50, 7), 1, 32, 64, 2),
+    Case("head-dim-256-bf16", "bfloat16", 16, (300, 0, 5), 1, 4, 256, 2),
+    Case("edges-bs16-g4-bf16", "bfloat16", 16, _edges(16), 2, 4, 64, 1),
+    Case("mix-bs8-g8-d128-bf16-split3", "bfloat16", 8, (0, 200, 9, 64), 1, 8, 128, 3),
+    Case("mix-bs32-g1-bf16-split5", "bfloat16", 32, (33, 0, 180), 2, 1, 64, 5),
+    Case("mix-bs16-g4-fp16-split2", "float16", 16, (70, 0, 15), 2, 4, 64, 2),
+]
+
+GPU_CASES = [
+    *CPU_CASES,
+    Case("llama8b-bf16-auto", "bfloat16", 16, (2048, 1, 0, 517, 4000, 16, 17), 8, 4, 128, None),
+    Case("llama8b-bf16-split16", "bfloat16", 16, (8192, 3000, 0, 1), 8, 4, 128, 16),
+    Case("llama8b-fp32-split4", "float32", 16, (1500, 33, 999), 8, 4, 128, 4),
+    Case("batch64-bf16-bs32", "bfloat16", 32, tuple(range(0, 64 * 37, 37)), 8, 4, 128, None),
+    Case("batch2-bf16-auto-many-splits", "bfloat16", 16, (5000, 77), 8, 4, 128, None),
+    Case("head-dim-256-fp32", "float32", 16, (1000, 3), 2, 4, 256, None),
+]
+# (sequence, KV head) pairs, SMs, and the split count the default heuristic should give.
+SPLIT_HEURISTIC = [(256, 132, 1), (132, 132, 1), (2048, 132, 1), (128, 132, 3), (32, 132, 9)]
+SPLIT_HEURISTIC += [(8, 132, 33), (1, 132, 64), (0, 132, 64), (5, 1, 1)]
+
+
+@dataclass
+class Inputs:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    width: torch.Tensor
+    context_lens: torch.Tensor
+    out: torch.Tensor | None
+
+
+def make_inputs(case: Case, device: torch.device) -> Inputs:
+    """Random caches, and block tables that scatter each sequence over shuffled blocks."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = _DTYPES[case.dtype]
+    num_seqs = len(case.context_lens)
+    num_heads = case.num_kv_heads * case.group
+    bs = case.block_size
+    width = max(-(-n // bs) for n in case.context_lens) + case.spare_width
+    num_blocks = num_seqs * width + 5
+    shape = (num_blocks * bs, case.num_kv_heads, case.head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    value_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    # Distinct shuffled block ids fill every entry, including the unused tail of each row,
+    # so a kernel that reads past a sequence's blocks picks up real (wrong) data.
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * width].to(torch.int32)
+    # A view into a larger header buffer, as the engine passes it.
+    header = torch.tensor([7, width, 7], dtype=torch.int64, device=device)
+    query_shape = (num_seqs, num_heads + 3 if case.strided_query else num_heads, case.head_dim)
+    query = torch.randn(query_shape, generator=gen).to(dtype).to(device)[:, :num_heads]
+    out = None
+    if case.given_out:
+        out = torch.full((num_seqs, num_heads, case.head_dim), float("nan"), dtype=dtype)
+        out = out.to(device)
+    return Inputs(
+        query,
+        key_cache,
+        value_cache,
+        tables.to(device),
+        header[1:2],
+        torch.tensor(case.context_lens, dtype=torch.int32, device=device),
+        out,
+    )
+
+
+def check_case(case: Case, device: torch.device) -> dict[str, object]:
+    """Run the kernel and the reference; returns the error and the properties tests check."""
+    from cbpipe.worker.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+
+    x = make_inputs(case, device)
+    scale = case.head_dim**-0.5
+    args = (x.query, x.key_cache, x.value_cache, x.block_tables, x.width, x.context_lens)
+    got = paged_decode_attention(
+        *args, block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out
+    )
+    want = paged_decode_reference(*args, block_size=case.block_size, scale=scale)
+    empty = x.context_lens == 0
+    return {
+        "max_err": (got.float() - want).abs().max().item(),
+        "finite": bool(torch.isfinite(got).all()),
+        "empty_rows_zero": bool((got[empty] == 0).all()),
+        "dtype_ok": got.dtype == x.query.dtype and got.shape == x.query.shape,
+        "returned_out": x.out is None or got is x.out,
+    }
+
+
+def assert_result(case: Case, result: dict[str, object]) -> None:
+    assert "error" not in result, f"{case.name} raised:\n{result['error']}"
+    assert result["finite"], f"{case.name}: NaN or inf in the output"
+    assert result["empty_rows_zero"], f"{case.name}: a context_len 0 row is not zeros"
+    assert result["dtype_ok"], f"{case.name}: wrong output dtype or shape"
+    assert result["returned_out"], f"{case.name}: the given out was not returned"
+    assert result["max_err"] <= _ATOL[case.dtype], f"{case.name}: max error {result['max_err']}"
+
+
+def _interpreter_main() -> None:
+    """Subprocess entry: every CPU case under the interpreter, one JSON line on stdout."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from cbpipe.worker.kernels.paged_decode import num_splits_for
+
+    results: dict[str, object] = {}
+    for case in CPU_CASES:
+        try:
+            results[case.name] = check_case(case, torch.device("cpu"))
+        except Exception:
+            results[case.name] = {"error": traceback.format_exc()}
+    results["num_splits_for"] = [num_splits_for(pairs, sms) for pairs, sms, _ in SPLIT_HEURISTIC]
+    print(_RESULT_PREFIX + json.dumps(results), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, Any]:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.unit.test_paged_decode_kernel"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(
+            f"the interpreter subprocess failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1][len(_RESULT_PREFIX) :])
+
+
+def test_triton_is_importable() -> None:
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        pytest.fail(f"triton is not importable ({exc}); it is a dev dependency: pip install triton")
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_interpreter_matches_reference(case: Case, interpreter_results: dict[str, Any]) -> None:
+    assert_result(case, interpreter_results[case.name])
+
+
+def test_default_split_heuristic(interpreter_results: dict[str, Any]) -> None:
+    want = [splits for _, _, splits in SPLIT_HEURISTIC]
+    assert interpreter_results["num_splits_for"] == want
+
+
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_matches_reference(case: Case) -> None:
+    assert_result(case, check_case(case, torch.device("cuda")))
+
+
+@pytest.mark.gpu
+@_needs_cuda
+def test_gpu_cuda_graph_replays_with_new_metadata() -> None:
+    """Capture once; new context lengths, block tables and width written in place are used."""
+    from cbpipe.worker.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    num_seqs, kv_heads, group, head_dim, bs = 6, 8, 4, 128, 16
+    num_blocks, max_width = 400, 64
+    dtype = torch.bfloat16
+    key_cache = torch.randn(num_blocks * bs, kv_heads, head_dim, dtype=dtype, device=device)
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(num_seqs, kv_heads * group, head_dim, dtype=dtype, device=device)
+    header = torch.zeros(4, dtype=torch.int64, device=device)
+    width = header[2:3]
+    tables = torch.zeros(num_seqs * max_width, dtype=torch.int32, device=device)
+    context_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+    out = torch.empty_like(query)
+
+    def fill(lens: list[int], table_width: int) -> None:
+        blocks = torch.randperm(num_blocks, device=device)[: num_seqs * table_width]
+        tables.zero_()
+        tables[: num_seqs * table_width].copy_(blocks.to(torch.int32))
+        width.fill_(table_width)
+        context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        query.normal_()
+
+    def expected() -> torch.Tensor:
+        args = (query, key_cache, value_cache, tables, width, context_lens)
+        return paged_decode_reference(*args, block_size=bs, scale=head_dim**-0.5)
+
+    def run() -> None:
+        paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            width,
+            context_lens,
+            block_size=bs,
+            scale=head_dim**-0.5,
+            num_splits=8,
+            out=out,
+        )
+
+    fill([5, 100, 0, 300, 17, 16], 20)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    for lens, table_width in [([5, 100, 0, 300, 17, 16], 20), ([900, 1, 33, 0, 64, 1000], 64)]:
+        fill(lens, table_width)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = (out.float() - expected()).abs().max().item()
+        assert torch.isfinite(out).all()
+        assert err <= _ATOL["bfloat16"], f"lens {lens}, width {table_width}: max error {err}"
+
+
+if __name__ == "__main__":
+    _interpreter_main()
