@@ -61,10 +61,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class WorkerConfig:
+    attention_backend: Literal["auto", "triton", "torch"] = _opt(
+        "auto",
+        "decode attention: a Triton paged kernel, or plain torch (gather pages, then SDPA); "
+        "auto is triton on CUDA when it imports, torch elsewhere",
+    )
+    cuda_graphs: bool = _opt(
+        True,
+        "replay decode steps from CUDA graphs captured at start-up, one per batch-size bucket "
+        "and slot (CUDA with the triton backend only; --no-cuda-graphs runs every step eagerly)",
+    )
+    max_graph_batch: int | None = _opt(
+        None, "largest decode batch captured in a graph; default: --max-num-seqs"
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
     address: str | None = _opt(
         None, "client address (zmq, e.g. tcp://127.0.0.1:5555); default: a new ipc:// path"
     )
@@ -78,6 +96,10 @@ class EngineConfig:
             (
                 s.max_batch_tokens >= s.max_num_seqs,
                 "--max-batch-tokens must be >= --max-num-seqs (every sequence needs a row)",
+            ),
+            (
+                self.worker.max_graph_batch is None or self.worker.max_graph_batch >= 1,
+                "--max-graph-batch must be >= 1",
             ),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
             (c.block_size >= 1, "--block-size must be >= 1"),

@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The one script every GPU session runs, from the repository root on the device machine:
-#   environment -> tests/gpu -> benchmarks (random:llama-8b, random:llama-1b; async and sync).
-#
-# Writes into $OUT (at most 8 files come back): env.log, gpu_tests.log, bench.log,
-# bench_llama8b.json, bench_llama1b.json, summary.log. Designed to finish in under 9 minutes:
-# every step has its own timeout (exit code 124 in the summary means it ran out of time).
+# The one script every GPU session runs, from the repository root on the device machine.
+# Parts (PARTS, a comma list, in this order):
+#   tests    pytest tests/gpu and the kernel tests on the GPU                   (~4 min)
+#   micro    scripts/bench_attention.py, and one decode step of random:llama-8b at batch 32
+#            (context 4096) eager vs CUDA graph against its bandwidth floor      (~2 min)
+#   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
+#            tokens, async and sync                                              (~3 min)
+#   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
+#            sync; random:llama-1b x1024, prompts 64-1024 and outputs 64-512       (~8 min)
+# One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
+# PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
 # Knobs (environment):
+#   PARTS=tests,micro,bench  parts to run
 #   BENCH_SCALE=1          divides every benchmark output length (2, 4, ... when time is short)
-#   BENCH_OUTPUT_LEN=1024  output tokens per request before scaling
-#   BENCH_1B_REQUESTS=256  requests in the llama-1b benchmark
-#   BENCH_EXTRA=           more scripts/bench.py flags for both benchmarks (word-split; later
-#                          flags win, e.g. "--launch-arg=--block-size=32")
+#   BENCH_OUTPUT_LEN=1024  output tokens per request in the bench part, before scaling
+#   BENCH_1B_REQUESTS=256  requests in the bench part's llama-1b run
+#   BENCH_EXTRA=           more scripts/bench.py flags for every benchmark (word-split; later
+#                          flags win, e.g. "--launch-arg=--no-cuda-graphs")
 #   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes)
-#   PYTEST_K=              a pytest -k expression to run part of tests/gpu
-#   TEST_TIMEOUT=180       seconds for pytest tests/gpu
-#   BENCH_TIMEOUT=140      seconds for each benchmark (both modes)
+#   PYTEST_K=              a pytest -k expression to run part of the tests
+#   TEST_TIMEOUT=240       seconds for the tests part
+#   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
+#                          gets TARGET_TIMEOUT=420
 #   PYTHON=python
 set -uo pipefail
 
@@ -26,9 +33,11 @@ PY=${PYTHON:-python}
 BENCH_SCALE=${BENCH_SCALE:-1}
 BENCH_OUTPUT_LEN=${BENCH_OUTPUT_LEN:-1024}
 BENCH_1B_REQUESTS=${BENCH_1B_REQUESTS:-256}
-TEST_TIMEOUT=${TEST_TIMEOUT:-180}
+TEST_TIMEOUT=${TEST_TIMEOUT:-240}
+TARGET_TIMEOUT=${TARGET_TIMEOUT:-420}
+PARTS=${PARTS:-tests,micro,bench}
 BENCH_MODES=${BENCH_MODES:-async,sync}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-140}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
 read -r -a bench_extra <<<"${BENCH_EXTRA:-}"
 output_len=$((BENCH_OUTPUT_LEN / BENCH_SCALE))
 mkdir -p "$OUT"
@@ -77,26 +86,62 @@ if ! "$PY" -c 'import zmq, msgpack' 2>/dev/null; then
     exit 2
 fi
 
-section tests
-timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-    | tee "$OUT/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
+rcs=()
 
-{
-    bench llama8b --model random:llama-8b --num-requests 32 --prompt-len 128 \
-        --output-len "$output_len"
-    echo "exit code $?"
-    bench llama1b --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
-        --prompt-len 128 --output-len "$output_len"
-    echo "exit code $?"
-} 2>&1 | tee "$OUT/bench.log"
-bench_rcs=$(grep '^exit code' "$OUT/bench.log" | awk '{print $3}' | paste -sd, -)
+if want tests; then
+    section tests
+    timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu tests/unit/test_paged_decode_kernel.py \
+        -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
+    rcs+=("tests=${PIPESTATUS[0]}")
+fi
+
+if want micro; then
+    {
+        section "attention kernels"
+        timeout -k 10 120 "$PY" scripts/bench_attention.py --json "$OUT/attention.json"
+        echo "exit code $?"
+        for graphs in --no-cuda-graphs --cuda-graphs; do
+            section "one decode step, random:llama-8b x32, context 4096, $graphs"
+            timeout -k 10 120 "$PY" scripts/profile_step.py --model random:llama-8b --batch 32 \
+                --context 4096 --steps 30 "$graphs" 2>&1 | grep -v '^USDT' | head -45
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+    } 2>&1 | tee "$OUT/micro.log"
+    rcs+=("micro=$(grep '^exit code' "$OUT/micro.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want bench; then
+    {
+        bench llama8b --model random:llama-8b --num-requests 32 --prompt-len 128 \
+            --output-len "$output_len"
+        echo "exit code $?"
+        bench llama1b --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
+            --prompt-len 128 --output-len "$output_len"
+        echo "exit code $?"
+    } 2>&1 | tee "$OUT/bench.log"
+    rcs+=("bench=$(grep '^exit code' "$OUT/bench.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want target; then
+    {
+        BENCH_TIMEOUT=$TARGET_TIMEOUT bench target8b --model random:llama-8b --num-requests 32 \
+            --prompt-len 256 --output-len $((8192 / BENCH_SCALE)) --trace-dir "$OUT/traces8b"
+        echo "exit code $?"
+        bench target1b --model random:llama-1b --num-requests 1024 \
+            --random-prompt-len 64,1024 --random-output-len 64,$((512 / BENCH_SCALE)) --seed 0
+        echo "exit code $?"
+    } 2>&1 | tee "$OUT/target.log"
+    rcs+=("target=$(grep '^exit code' "$OUT/target.log" | awk '{print $3}' | paste -sd/ -)")
+fi
 
 {
     section summary
-    echo "tests: exit code $tests_rc; benchmarks (8b,1b): exit codes $bench_rcs (124: timed out)"
-    echo "BENCH_SCALE=$BENCH_SCALE output_len=$output_len; total $((SECONDS - started)) s"
-    grep -h -A 10 '^model ' "$OUT/bench.log" || true
+    echo "PARTS=$PARTS exit codes: ${rcs[*]} (124: timed out); BENCH_SCALE=$BENCH_SCALE"
+    echo "total $((SECONDS - started)) s"
+    grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log 2>/dev/null || true
     echo "engine processes left: $(pgrep -f 'cbpipe.launcher' | paste -sd' ' - || true)"
 } 2>&1 | tee "$OUT/summary.log"
-[ "$tests_rc" = 0 ] && [ "$bench_rcs" = "0,0" ]
+for rc in "${rcs[@]}"; do
+    [[ "${rc#*=}" =~ ^0(/0)*$ ]] || exit 1
+done

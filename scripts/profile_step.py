@@ -19,6 +19,7 @@ import torch
 from cbpipe.models import resolve_model
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
+from cbpipe.roofline import copy_bandwidth, decode_bytes
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.packer import BatchPacker
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--grow",
         action="store_true",
@@ -55,7 +58,10 @@ def main() -> None:
     kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
     layout = SlotLayout.build(SlotLimits(args.batch, args.batch, blocks_per_seq))
     segment = memoryview(bytearray(layout.segment_nbytes))
-    runner = StepRunner(model, kv, layout, segment, device)
+    kernel = attention.load_decode_kernel(args.attention_backend, device)
+    graphs = args.cuda_graphs and kernel is not None
+    runner = StepRunner(model, kv, layout, segment, device, decode_kernel=kernel,
+                        graph_batch_sizes=[args.batch] if graphs else ())  # fmt: skip
 
     scheduler = Scheduler(BlockManager(num_blocks, bs), max_num_seqs=args.batch,
                           max_batch_tokens=args.batch)  # fmt: skip
@@ -84,6 +90,14 @@ def main() -> None:
     run(3)
     wall, dev = run(args.steps)
     print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream")
+    if device.type == "cuda":
+        sizes = decode_bytes(model.config, dtype)
+        floor_ms = sizes.step_bytes(step.num_seqs * args.context) / copy_bandwidth(device) * 1e3
+        print(
+            f"bandwidth floor {floor_ms:.2f} ms: the step takes {dev / floor_ms:.2f}x the floor"
+            f" ({'graph' if runner.graphs.find(step) else 'eager'}, decode kernel "
+            f"{'triton' if kernel else 'torch'})"
+        )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

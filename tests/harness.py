@@ -24,6 +24,7 @@ from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
+from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import allocate_kv_cache, load_model
 from cbpipe.worker.runner import LaunchedStep, StepRunner
 
@@ -58,6 +59,16 @@ def reference_greedy(
     return output[0, len(prompt) :].tolist()
 
 
+def _decode_kernel(backend: str, device: torch.device) -> attention.DecodeKernel | None:
+    """The worker's choice; on the CPU, ``triton`` means the kernel under Triton's interpreter
+    (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` there before anything imports it)."""
+    if backend == "triton" and device.type == "cpu":
+        from cbpipe.worker.kernels.paged_decode import paged_decode_attention
+
+        return paged_decode_attention
+    return attention.load_decode_kernel(backend, device)
+
+
 @dataclass
 class InProcessEngine:
     model_name: str
@@ -69,6 +80,8 @@ class InProcessEngine:
     eos_token_ids: frozenset[int] = frozenset()
     device: torch.device = CPU
     dtype: torch.dtype = torch.float32
+    attention_backend: str = "auto"  # the worker's choice: the Triton kernel on CUDA
+    cuda_graphs: bool = True  # on CUDA with the kernel; ignored elsewhere, as in the worker
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
@@ -86,7 +99,17 @@ class InProcessEngine:
         )
         self.packer = BatchPacker(self.segment, self.layout, self.block_size)
         kv = allocate_kv_cache(model, self.num_blocks, self.block_size, self.device, self.dtype)
-        self.runner = StepRunner(model, kv, self.layout, self.segment, self.device)
+        kernel = _decode_kernel(self.attention_backend, self.device)
+        graphs = self.cuda_graphs and kernel is not None
+        self.runner = StepRunner(
+            model,
+            kv,
+            self.layout,
+            self.segment,
+            self.device,
+            decode_kernel=kernel,
+            graph_batch_sizes=bucket_sizes(self.max_num_seqs) if graphs else (),
+        )
 
     def close(self) -> None:
         self.runner.close()

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 
 ALIGN = 64
-HEADER_FIELDS = ("step", "num_tokens", "num_seqs")
+HEADER_FIELDS = ("step", "num_tokens", "num_seqs", "block_table_width")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,9 @@ FIELDS: tuple[FieldSpec, ...] = (
         "int64",
         lambda _: len(HEADER_FIELDS),
         "input",
-        "step number and sizes, repeated from the Step message to detect a stale slot",
+        "step number and sizes, repeated from the Step message to detect a stale slot; the "
+        "device reads num_seqs and block_table_width from its copy (CUDA graphs take no "
+        "host arguments)",
     ),
     FieldSpec(
         "input_ids", "int64", _tokens, "input", "token id per row; ignored where carry_mask is set"

@@ -45,7 +45,7 @@ class BatchPacker:
             row = self._pack_chunk_rows(views, seqs[index], index, row)
         width = self._pack_sequences(views, seqs)
 
-        views["header"][:] = (plan.step, num_tokens, num_seqs)
+        views["header"][:] = (plan.step, num_tokens, num_seqs, width)
         params = [s.req.params for s in seqs]
         return Step(
             step=plan.step,

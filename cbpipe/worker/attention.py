@@ -6,43 +6,85 @@ its own sequence's cached keys, gathered through the block table. Rows of one qu
 (decodes) are attended as one batch; sequences with several rows (prefill chunks) as another,
 padded to the longest chunk, so a long chunk never pads the decode batch.
 
-Plain torch, for correctness on the CPU and the GPU alike. The gather indices and masks are
-built once per step in ``PagedStep.build`` and shared by every layer.
+Decode rows go to a Triton split-KV kernel on CUDA (``kernels/paged_decode.py``), which reads
+the block tables itself and takes no host arguments that change from step to step, so decode
+steps can be captured in CUDA graphs. Everything else, and everything on the CPU, takes the
+plain torch path: gather the pages, then SDPA. Its gather indices and masks are built once per
+step in ``PagedStep.build`` and shared by every layer.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+log = logging.getLogger(__name__)
+
 ATTN_IMPLEMENTATION = "cbpipe_paged"
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+class DecodeKernel(Protocol):
+    """The signature of ``kernels.paged_decode.paged_decode_attention``."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_table_width: torch.Tensor,
+        context_lens: torch.Tensor,
+        *,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 @dataclass
 class KVCache:
-    """Per-layer key and value tensors, ``[num_blocks * block_size, num_kv_heads, head_dim]``."""
+    """Per-layer key and value tensors, ``[(num_blocks + 1) * block_size, kv_heads, head_dim]``.
+
+    The block after the last usable one belongs to no sequence: rows that only pad a batch
+    up to a captured graph's size write their keys and values there.
+    """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     block_size: int
+    num_blocks: int  # usable blocks, handed to the scheduler
 
     @property
-    def num_blocks(self) -> int:
-        return self.keys[0].shape[0] // self.block_size
+    def padding_slot(self) -> int:
+        return self.num_blocks * self.block_size
 
 
 @dataclass
 class AttentionGroup:
-    """Sequences attended together: rows gathered to ``[num_seqs, max_q]``, keys to ``max_k``."""
+    """Sequences attended together by the torch path, rows gathered to ``[num_seqs, max_q]``."""
 
     row_index: torch.Tensor  # [num_seqs, max_q] rows of the packed step (repeats pad short seqs)
     kv_index: torch.Tensor  # [num_seqs, max_k] flat cache index of each key position
-    mask: torch.Tensor  # [num_seqs, 1, max_q, max_k] True where the row may attend the key
+    # [num_seqs, 1, group_size * max_q, max_k], True where the row may attend the key; query
+    # rows are ordered (query head within its KV group, row), see ``_attend``.
+    mask: torch.Tensor
+
+
+@dataclass
+class DecodeRows:
+    """Sequences of one query row each: rows ``[0, num_rows)`` of the step."""
+
+    context_lens: torch.Tensor  # [num_rows] int32; 0 on padding rows, which attend nothing
+    block_tables: torch.Tensor  # flat int32; row s's block ids at [s * width, (s + 1) * width)
+    block_table_width: torch.Tensor  # [1] int64 on the device: the slot header's copy
+    gathered: AttentionGroup | None  # the torch path's indices; None when the kernel runs
 
 
 @dataclass
@@ -51,10 +93,11 @@ class PagedStep:
 
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [num_tokens] flat cache index each row writes
-    decode: AttentionGroup | None  # seqs with one row, rows [0, num_decode)
-    prefill: AttentionGroup | None  # the other seqs
+    decode: DecodeRows | None
+    prefill: AttentionGroup | None  # seqs with several rows, after the decode rows
     prefill_scatter: tuple[torch.Tensor, torch.Tensor] | None  # (seq, offset) of prefill rows
     num_decode_rows: int
+    decode_kernel: DecodeKernel | None  # None: decode rows take the torch path too
 
     @classmethod
     def build(
@@ -66,38 +109,73 @@ class PagedStep:
         query_start: torch.Tensor,
         context_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        block_table_width: torch.Tensor,
         num_single_token_seqs: int,
         max_query_len: int,
         max_context_len: int,
+        kv_group_size: int,
+        decode_kernel: DecodeKernel | None,
     ) -> PagedStep:
-        """Build gather indices on the device; only host integers decide shapes (no sync)."""
-        num_seqs = context_lens.shape[0]
+        """Build gather indices on the device; only host integers decide shapes (no sync).
+
+        ``block_tables`` is ``[num_seqs, width]``; ``block_table_width`` its width on the device.
+        """
+        num_seqs, width = block_tables.shape
         n_dec = num_single_token_seqs
-        key_pos = torch.arange(max_context_len, device=positions.device)  # [max_k]
-        bs = kv_cache.block_size
-        # Key position l of seq s lives at block_tables[s, l // bs] * bs + l % bs.
-        kv_index = block_tables[:, key_pos // bs].long() * bs + key_pos % bs  # [S, max_k]
-        key_valid = key_pos[None, :] < context_lens[:, None].long()  # [S, max_k]
+        device = positions.device
+        needs_gather = n_dec < num_seqs or decode_kernel is None
+        key_pos = torch.arange(max_context_len, device=device)  # [max_k]
+        if needs_gather:
+            bs = kv_cache.block_size
+            # Key position l of seq s lives at block_tables[s, l // bs] * bs + l % bs.
+            kv_index = block_tables[:, key_pos // bs].long() * bs + key_pos % bs  # [S, max_k]
 
         decode = None
         if n_dec:
-            rows = torch.arange(n_dec, device=positions.device)[:, None]
-            decode = AttentionGroup(rows, kv_index[:n_dec], key_valid[:n_dec, None, None, :])
+            gathered = None
+            if decode_kernel is None:
+                rows = torch.arange(n_dec, device=device)[:, None]
+                valid = key_pos[None, :] < context_lens[:n_dec, None].long()  # [n_dec, max_k]
+                mask = valid[:, None, None, :].expand(-1, -1, kv_group_size, -1).contiguous()
+                gathered = AttentionGroup(rows, kv_index[:n_dec], mask)
+            decode = DecodeRows(
+                context_lens[:n_dec], block_tables[:n_dec].reshape(-1), block_table_width, gathered
+            )
         prefill = scatter = None
         if n_dec < num_seqs:
             starts = query_start[n_dec:num_seqs].long()  # [P]
             lengths = query_start[n_dec + 1 : num_seqs + 1].long() - starts
-            offsets = torch.arange(max_query_len, device=positions.device)  # [max_q]
+            offsets = torch.arange(max_query_len, device=device)  # [max_q]
             # Rows past a seq's chunk repeat its last row: valid input, output discarded.
             rows = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
             row_pos = positions[rows]  # [P, max_q]
             mask = key_pos[None, None, :] <= row_pos[:, :, None]  # causal within the cache
-            prefill = AttentionGroup(rows, kv_index[n_dec:], mask[:, None])
+            mask = mask[:, None].repeat(1, 1, kv_group_size, 1)  # [P, 1, G * max_q, max_k]
+            prefill = AttentionGroup(rows, kv_index[n_dec:], mask)
             num_rows = int(positions.shape[0])
-            row_ids = torch.arange(n_dec, num_rows, device=positions.device)
+            row_ids = torch.arange(n_dec, num_rows, device=device)
             seq_of_row = torch.searchsorted(starts, row_ids, right=True) - 1
             scatter = (seq_of_row, row_ids - starts[seq_of_row])
-        return cls(kv_cache, slot_mapping, decode, prefill, scatter, n_dec)
+        return cls(kv_cache, slot_mapping, decode, prefill, scatter, n_dec, decode_kernel)
+
+    @classmethod
+    def decode_only(
+        cls,
+        kv_cache: KVCache,
+        *,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_table_width: torch.Tensor,
+        decode_kernel: DecodeKernel,
+    ) -> PagedStep:
+        """A step of single-row sequences with fixed shapes, as a CUDA graph captures it.
+
+        ``block_tables`` is flat and its row width lives on the device only, so one graph
+        serves every width.
+        """
+        decode = DecodeRows(context_lens, block_tables, block_table_width, None)
+        return cls(kv_cache, slot_mapping, decode, None, None, len(slot_mapping), decode_kernel)
 
 
 def paged_attention_forward(
@@ -119,10 +197,12 @@ def paged_attention_forward(
     v_cache.index_copy_(0, paged.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     q = query[0].transpose(0, 1)  # [num_tokens, heads, head_dim]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
     if paged.decode is not None:
         n = paged.num_decode_rows
-        out[:n] = _attend(q, k_cache, v_cache, paged.decode, scaling)[:, 0]
+        _attend_decode(q[:n], k_cache, v_cache, paged, scaling, out[:n])
     if paged.prefill is not None and paged.prefill_scatter is not None:
         padded = _attend(q, k_cache, v_cache, paged.prefill, scaling)  # [P, max_q, H, D]
         seq, offset = paged.prefill_scatter
@@ -130,12 +210,39 @@ def paged_attention_forward(
     return out[None], None  # [1, num_tokens, heads, head_dim]
 
 
+def _attend_decode(
+    q: torch.Tensor,  # [num_rows, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    paged: PagedStep,
+    scaling: float,
+    out: torch.Tensor,  # [num_rows, heads, head_dim], written
+) -> None:
+    decode = paged.decode
+    assert decode is not None
+    if paged.decode_kernel is not None:
+        paged.decode_kernel(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            decode.block_tables,
+            decode.block_table_width,
+            decode.context_lens,
+            block_size=paged.kv_cache.block_size,
+            scale=scaling,
+            out=out,
+        )
+    else:
+        assert decode.gathered is not None
+        out.copy_(_attend(q, k_cache, v_cache, decode.gathered, scaling)[:, 0])
+
+
 def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     group: AttentionGroup,
-    scaling: float | None,
+    scaling: float,
 ) -> torch.Tensor:
     """Attention for one group; returns ``[num_seqs, max_q, heads, head_dim]``.
 
@@ -152,12 +259,28 @@ def _attend(
     q_g = q_g.reshape(num_seqs, kv_heads, group_size * max_q, head_dim)  # rows: (g, j)
     k_g = k_cache[group.kv_index].transpose(1, 2).to(q.dtype)  # [S, KVH, max_k, D]
     v_g = v_cache[group.kv_index].transpose(1, 2).to(q.dtype)
-    mask = group.mask.expand(-1, -1, max_q, -1)  # [S, 1, max_q, max_k]
-    mask = mask.repeat(1, 1, group_size, 1)  # [S, 1, G * max_q, max_k], rows (g, j)
     with sdpa_kernel(_BACKENDS):
-        out = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=mask, scale=scaling)
+        out = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=group.mask, scale=scaling)
     out = out.view(num_seqs, kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, max_q, kv_heads * group_size, head_dim)
+
+
+def load_decode_kernel(backend: str, device: torch.device) -> DecodeKernel | None:
+    """The Triton decode kernel if ``backend`` and ``device`` call for it, else None (torch)."""
+    if backend == "torch" or device.type != "cuda":
+        if backend == "triton":
+            raise ValueError(f"--attention-backend triton needs a CUDA device, not {device}")
+        return None
+    try:
+        from cbpipe.worker.kernels.paged_decode import paged_decode_attention
+    except ImportError as exc:
+        if backend == "triton":
+            raise RuntimeError(
+                f"--attention-backend triton, but triton fails to import: {exc}"
+            ) from exc
+        log.warning("triton is not importable (%s); decode attention takes the torch path", exc)
+        return None
+    return paged_decode_attention
 
 
 def register() -> str:

@@ -89,8 +89,8 @@ def allocate_kv_cache(
     dtype: torch.dtype,
 ) -> KVCache:
     layers, kv_heads, head_dim = kv_shape(model)
-    shape = (num_blocks * block_size, kv_heads, head_dim)
+    shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)  # + the padding block
     keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
     values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
     log.info("KV cache: %d blocks of %d tokens, %s per layer", num_blocks, block_size, shape)
-    return KVCache(keys, values, block_size)
+    return KVCache(keys, values, block_size, num_blocks)

@@ -31,6 +31,7 @@ from cbpipe.protocol.messages import (
 )
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
+from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
     load_model,
@@ -96,7 +97,20 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
     num_blocks = num_kv_blocks(model, config.cache, device, dtype)
     kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
-    runner = StepRunner(model, kv_cache, spec.layout, segment.buf, device)
+    decode_kernel = attention.load_decode_kernel(config.worker.attention_backend, device)
+    graph_sizes: list[int] = []
+    if config.worker.cuda_graphs and device.type == "cuda" and decode_kernel is not None:
+        max_graph_batch = config.worker.max_graph_batch or config.scheduler.max_num_seqs
+        graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
+    runner = StepRunner(
+        model,
+        kv_cache,
+        spec.layout,
+        segment.buf,
+        device,
+        decode_kernel=decode_kernel,
+        graph_batch_sizes=graph_sizes,
+    )
     hello = WorkerReady(
         model=source.name,
         vocab_size=int(model.config.get_text_config().vocab_size),

@@ -7,8 +7,10 @@ Slot ownership on the worker side (the scheduler's side is in ``scheduler/loop.p
 - The device input buffer of slot k is written by the H2D copy only after the compute of the
   step that last used slot k is done (``compute_done[k]``).
 - The device output buffer of slot k is written by sampling only after the D2H copy of the
-  step that last used it is done (``d2h_done[k]``), and it is read by the next step's
-  carry-over on the compute stream, which orders it after the sampling that wrote it.
+  step that last used it is done (``d2h_done[k]``).
+- ``last_sampled`` (device) is written by every step's sampling and read by the next step's
+  carry-over; both run on the compute stream, in launch order, and the scheduler only ever
+  carries over from the step it sent just before (checked against ``carry_from_slot``).
 - The host output region of slot k is written by the D2H copy; ``StepDone`` is sent only after
   ``d2h_done[k]`` has completed, and from then on it is the scheduler's.
 
@@ -18,7 +20,9 @@ On the CPU the streams and events are absent and each call runs to completion.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +30,15 @@ import torch
 from transformers import PreTrainedModel
 
 from cbpipe.protocol.messages import Step, StepDone
-from cbpipe.protocol.slots import SlotLayout
-from cbpipe.worker.attention import KVCache, PagedStep
+from cbpipe.protocol.slots import HEADER_FIELDS, SlotLayout
+from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep
+from cbpipe.worker.cuda_graphs import DecodeGraphs
 from cbpipe.worker.sampler import SamplingInputs, sample
+
+log = logging.getLogger(__name__)
+
+_NUM_SEQS = HEADER_FIELDS.index("num_seqs")
+_WIDTH = HEADER_FIELDS.index("block_table_width")
 
 
 def _typed_views(buffer: torch.Tensor, layout: SlotLayout, region_offset: int) -> dict:
@@ -104,7 +114,14 @@ class StepRunner:
         layout: SlotLayout,
         segment: memoryview,
         device: torch.device,
+        *,
+        decode_kernel: DecodeKernel | None = None,
+        graph_batch_sizes: Sequence[int] = (),
     ) -> None:
+        """``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
+
+        On the CPU they are not captured but run as the same fixed-size body (for tests).
+        """
         self.model = model
         self.kv_cache = kv_cache
         self.layout = layout
@@ -126,6 +143,36 @@ class StepRunner:
         self.compute_done = [self._event() for _ in range(num_slots)]
         self.d2h_done = [self._event() for _ in range(num_slots)]
         self.clock = DeviceClock(device) if self.cuda else None
+        self.decode_kernel = decode_kernel
+        text_config = model.config.get_text_config()
+        heads = text_config.num_attention_heads
+        self.kv_group_size = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
+        max_seqs = layout.limits.max_seqs
+        # The sampled ids of the step launched last; the next step's carry-over reads them,
+        # ordered after the write by the compute stream.
+        self.last_sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self._row_ids = torch.arange(max_seqs, device=device)
+        self._last_slot: int | None = None
+        self.graphs = DecodeGraphs()
+        if graph_batch_sizes:
+            if decode_kernel is None:
+                raise ValueError("decode graphs need the Triton decode kernel")
+            self._capture_graphs(graph_batch_sizes)
+
+    def _capture_graphs(self, batch_sizes: Sequence[int]) -> None:
+        started = time.perf_counter()
+        self.graphs.capture(
+            self._decode_graph_body,
+            batch_sizes=[b for b in batch_sizes if b <= self.layout.limits.max_seqs],
+            slots=self.slots,
+            stream=self.compute_stream,
+        )
+        log.info(
+            "captured %d decode graphs (batch sizes %s) in %.1f s",
+            len(self.graphs),
+            self.graphs.batch_sizes,
+            time.perf_counter() - started,
+        )
 
     def _event(self, timing: bool = False) -> torch.cuda.Event | None:
         return torch.cuda.Event(enable_timing=timing) if self.cuda else None
@@ -135,7 +182,9 @@ class StepRunner:
         base = layout.slot_offset(slot)
         host_input = host[base : base + layout.input_nbytes]
         host_output = host[base + layout.output_offset : base + layout.slot_nbytes]
-        device_input = torch.empty_like(host_input, device=self.device)
+        # Zeros, not garbage: graph replays read rows past a step's own (their ids must be
+        # valid indices), before any step has written them.
+        device_input = torch.zeros_like(host_input, device=self.device)
         device_output = torch.zeros_like(host_output, device=self.device)
         header = host_input[: layout.fields["header"].nbytes].numpy().view(np.int64)
         return SlotBuffers(
@@ -159,11 +208,18 @@ class StepRunner:
         recv_ns = time.perf_counter_ns()
         slot = self.slots[step.slot]
         header = tuple(int(v) for v in slot.header)
-        if header != (step.step, step.num_tokens, step.num_seqs):
+        if header != (step.step, step.num_tokens, step.num_seqs, step.block_table_width):
             raise RuntimeError(
-                f"slot {step.slot} holds step/tokens/seqs {header}, "
+                f"slot {step.slot} holds step/tokens/seqs/width {header}, "
                 f"but step {step.step} was announced"
             )
+        if step.carry_from_slot is not None and step.carry_from_slot != self._last_slot:
+            raise RuntimeError(
+                f"step {step.step} carries over from slot {step.carry_from_slot}, "
+                f"but the step launched last used slot {self._last_slot}"
+            )
+        self._last_slot = step.slot
+        graph = self.graphs.find(step)
         used = self.layout.input_nbytes_used(step.num_seqs, step.block_table_width)
         k = step.slot
         with self._on(self.h2d_stream):
@@ -177,7 +233,10 @@ class StepRunner:
             self._wait(self.d2h_done[k])
             self._record(compute_start)
             start_ns = time.perf_counter_ns()
-            self._compute(step, slot)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._compute(step, slot)
             end_ns = time.perf_counter_ns()
             self._record(compute_end)
             self._record(self.compute_done[k])
@@ -203,13 +262,10 @@ class StepRunner:
 
     @torch.inference_mode()
     def _compute(self, step: Step, slot: SlotBuffers) -> None:
+        """Any step, eagerly; shapes follow the step's sizes."""
         t, s = step.num_tokens, step.num_seqs
         inputs = slot.inputs
-        input_ids = inputs["input_ids"][:t]
-        if step.carry_from_slot is not None:
-            previous = self.slots[step.carry_from_slot].outputs["sampled_ids"]
-            carried = previous[inputs["carry_src"][:t].long()]
-            input_ids = torch.where(inputs["carry_mask"][:t], carried, input_ids)
+        input_ids = self._carry_over(inputs, t, valid=None)
         positions = inputs["positions"][:t]
         query_start = inputs["query_start"][: s + 1]
         width = step.block_table_width
@@ -220,32 +276,95 @@ class StepRunner:
             query_start=query_start,
             context_lens=inputs["context_lens"][:s],
             block_tables=inputs["block_tables"][: s * width].view(s, width),
+            block_table_width=inputs["header"][_WIDTH : _WIDTH + 1],
             num_single_token_seqs=step.num_single_token_seqs,
             max_query_len=step.max_query_len,
             max_context_len=step.max_context_len,
+            kv_group_size=self.kv_group_size,
+            decode_kernel=self.decode_kernel,
         )
-        logits_rows = query_start[1:].long() - 1  # each sequence's last row
-        logits = self.model(
+        # Only each sequence's last row needs logits; a decode-only step needs them all.
+        decode_only = step.num_single_token_seqs == s
+        logits_rows = 0 if decode_only else query_start[1:].long() - 1
+        logits = self._forward(input_ids, positions, paged, logits_rows)  # [num_seqs, vocab]
+        self._sample(slot, logits, s, step.all_greedy, step.needs_top_k_top_p)
+
+    @torch.inference_mode()
+    def _decode_graph_body(self, slot: SlotBuffers, batch: int, all_greedy: bool) -> None:
+        """A decode-only step padded to ``batch`` rows, with no host value that varies.
+
+        How many rows are real and how wide the block tables are come from the slot header's
+        device copy; padding rows write their keys to the cache's padding block and attend
+        nothing, and their samples land past the ``num_seqs`` rows anyone reads.
+        """
+        inputs = slot.inputs
+        valid = self._row_ids[:batch] < inputs["header"][_NUM_SEQS]  # [batch]
+        input_ids = self._carry_over(inputs, batch, valid)
+        slot_mapping = torch.where(
+            valid, inputs["slot_mapping"][:batch], self.kv_cache.padding_slot
+        )
+        context_lens = torch.where(valid, inputs["context_lens"][:batch], 0)
+        assert self.decode_kernel is not None
+        paged = PagedStep.decode_only(
+            self.kv_cache,
+            slot_mapping=slot_mapping,
+            context_lens=context_lens,
+            block_tables=inputs["block_tables"],
+            block_table_width=inputs["header"][_WIDTH : _WIDTH + 1],
+            decode_kernel=self.decode_kernel,
+        )
+        logits = self._forward(input_ids, inputs["positions"][:batch], paged, 0)
+        self._sample(slot, logits, batch, all_greedy, needs_top_k_top_p=False)
+
+    def _carry_over(
+        self, inputs: dict[str, torch.Tensor], num_rows: int, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Input ids with the carried rows' tokens taken from the last step's samples."""
+        carry = inputs["carry_mask"][:num_rows]
+        if valid is not None:
+            carry = carry & valid
+        carried = self.last_sampled[inputs["carry_src"][:num_rows].long()]
+        return torch.where(carry, carried, inputs["input_ids"][:num_rows])
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        paged: PagedStep,
+        logits_rows: torch.Tensor | int,
+    ) -> torch.Tensor:
+        return self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
             logits_to_keep=logits_rows,
             use_cache=False,
             paged=paged,
-        ).logits[0]  # [num_seqs, vocab]
+        ).logits[0]
+
+    def _sample(
+        self,
+        slot: SlotBuffers,
+        logits: torch.Tensor,  # [num_seqs, vocab]
+        num_seqs: int,
+        all_greedy: bool,
+        needs_top_k_top_p: bool,
+    ) -> None:
+        inputs = slot.inputs
         ids, logprobs = sample(
             logits,
             SamplingInputs(
-                temperature=inputs["temperature"][:s],
-                top_p=inputs["top_p"][:s],
-                top_k=inputs["top_k"][:s],
-                seed=inputs["seed"][:s],
-                output_index=inputs["output_index"][:s],
-                all_greedy=step.all_greedy,
-                needs_top_k_top_p=step.needs_top_k_top_p,
+                temperature=inputs["temperature"][:num_seqs],
+                top_p=inputs["top_p"][:num_seqs],
+                top_k=inputs["top_k"][:num_seqs],
+                seed=inputs["seed"][:num_seqs],
+                output_index=inputs["output_index"][:num_seqs],
+                all_greedy=all_greedy,
+                needs_top_k_top_p=needs_top_k_top_p,
             ),
         )
-        slot.outputs["sampled_ids"][:s].copy_(ids)
-        slot.outputs["sampled_logprobs"][:s].copy_(logprobs)
+        slot.outputs["sampled_ids"][:num_seqs].copy_(ids)
+        slot.outputs["sampled_logprobs"][:num_seqs].copy_(logprobs)
+        self.last_sampled[:num_seqs].copy_(ids)
 
     # --- stream helpers that do nothing on the CPU ----------------------------------------
 

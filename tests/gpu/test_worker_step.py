@@ -38,7 +38,33 @@ def test_enqueueing_a_step_never_synchronises_the_host() -> None:
         engine.close()
 
 
-def test_many_overlapping_steps_match_generate_on_cuda() -> None:
+def test_replaying_a_decode_graph_never_synchronises_the_host() -> None:
+    engine = InProcessEngine(MODEL, device=torch.device("cuda"), max_num_seqs=8)
+    try:
+        for n in (3, 17, 5):
+            engine.add(list(range(5, 5 + n)), SamplingParams(max_new_tokens=8))
+        prefill = engine.packer.pack(engine.scheduler.schedule(), 0, None)
+        decode = engine.packer.pack(engine.scheduler.schedule(), 1, 0)  # carries every token
+        assert decode.num_single_token_seqs == decode.num_seqs == 3
+        assert engine.runner.graphs.find(decode) is not None
+        engine.runner.launch(prefill).wait()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = engine.runner.launch(decode)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.wait()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("backend", "graphs"),
+    [("triton", True), ("triton", False), ("torch", False)],
+    ids=["triton-graphs", "triton-eager", "torch-eager"],
+)
+def test_many_overlapping_steps_match_generate_on_cuda(backend: str, graphs: bool) -> None:
     """Two steps really in flight on three streams, for hundreds of steps, with random
     switches between async and sync: greedy tokens equal transformers' ``generate`` on CUDA
     in float32. The embedded model is trained, so its top logits rarely tie (a random model's
@@ -51,7 +77,15 @@ def test_many_overlapping_steps_match_generate_on_cuda() -> None:
     ]
     params = [SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True) for _ in prompts]
     cuda = torch.device("cuda")
-    engine = InProcessEngine(EMBEDDED, max_batch_tokens=64, max_num_seqs=8, device=cuda)
+    engine = InProcessEngine(
+        EMBEDDED,
+        max_batch_tokens=64,
+        max_num_seqs=8,
+        device=cuda,
+        attention_backend=backend,
+        cuda_graphs=graphs,
+    )
+    assert (len(engine.runner.graphs) > 0) == graphs
     try:
         outputs = engine.generate(prompts, params, mode="random", rng=random.Random(1))
     finally:

@@ -58,7 +58,7 @@ def test_packed_prefill_rows_sequences_and_block_tables() -> None:
     assert views["slot_mapping"][:7].tolist() == expected_slots
     assert views["seed"][:2].tolist() == [102, 101]
     assert np.allclose(views["temperature"][:2], [0.0, 0.5])
-    assert views["header"].tolist() == [plan.step, 7, 2]
+    assert views["header"].tolist() == [plan.step, 7, 2, 2]
     assert not views["carry_mask"][:7].any()
 
 

@@ -1,0 +1,110 @@
+"""CUDA graphs of decode steps: one per (batch-size bucket, slot, greedy or sampled).
+
+A step whose sequences each have one query row launches the same kernels whatever its context
+lengths, block tables or carried tokens, as long as it reads all of them from device memory:
+the slot's device input buffer (which the H2D copy fills) and the last step's sampled ids. So
+the whole step body (carry-over, forward, sampling, writing the outputs) is captured once per
+bucket and replayed: a step of ``n`` sequences replays the smallest bucket of at least ``n``
+rows. One replay costs a few microseconds of host time instead of a launch per kernel, which
+for an 8B model at batch 32 was most of the step (docs/PERFORMANCE.md).
+
+Steps with prefill rows, and steps that need top-k or top-p, run eagerly.
+
+Without a CUDA stream (the CPU, in tests) nothing is captured: a "graph" is the body bound to
+its fixed sizes and called again at every replay, so the padding logic runs in CI too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+import torch
+
+from cbpipe.protocol.messages import Step
+
+SlotT = TypeVar("SlotT")
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class _BoundBody:
+    """The CPU stand-in for a graph: the body with its sizes fixed."""
+
+    def __init__(self, body: Callable[[], None]) -> None:
+        self.replay = body
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: fine steps where padding costs most, coarser further up.
+
+    Padding a decode step costs little (it is bound by reading the weights), so at most
+    about an eighth of a large batch is padding.
+    """
+    sizes = [1, 2, 4, 8]
+    size, stride = 16, 8
+    while size < max_batch:
+        sizes.append(size)
+        if size >= 8 * stride:
+            stride *= 2
+        size += stride
+    sizes.append(max_batch)
+    return sorted({s for s in sizes if s <= max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[int, int, bool], Replayable] = {}
+        self.batch_sizes: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def capture(
+        self,
+        body: Callable[[SlotT, int, bool], None],  # (slot, batch size, all greedy)
+        *,
+        batch_sizes: Sequence[int],
+        slots: Sequence[SlotT],
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        """Capture ``body`` for every bucket, slot and mode, largest first to share one pool.
+
+        Each is run once before capture, so lazy initialisation (Triton compilation, cuBLAS
+        workspaces) happens outside the graph. The device input buffers hold zeros then
+        (``num_seqs`` 0), so every row is padding and no cache block is touched.
+        """
+        self.batch_sizes = sorted(batch_sizes)
+        if stream is None:
+            for batch in self.batch_sizes:
+                for all_greedy in (True, False):
+                    for index, slot in enumerate(slots):
+                        bound = functools.partial(body, slot, batch, all_greedy)
+                        self._graphs[batch, index, all_greedy] = _BoundBody(bound)
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.batch_sizes):
+            for all_greedy in (True, False):
+                for index, slot in enumerate(slots):
+                    with torch.cuda.stream(stream):
+                        body(slot, batch, all_greedy)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        body(slot, batch, all_greedy)
+                    self._graphs[batch, index, all_greedy] = graph
+        torch.cuda.synchronize()
+
+    def find(self, step: Step) -> Replayable | None:
+        """The graph that runs ``step``, or None if it must run eagerly."""
+        if not self._graphs or step.num_single_token_seqs != step.num_seqs:
+            return None
+        if step.needs_top_k_top_p:
+            return None
+        batch = next((b for b in self.batch_sizes if b >= step.num_seqs), None)
+        if batch is None:
+            return None
+        return self._graphs[batch, step.slot, step.all_greedy]
