@@ -26,9 +26,12 @@ class StepRecord:
     schedule_start_ns: int  # the scheduler begins planning the step
     pack_end_ns: int  # planned and packed (debug delay included); the step is sent
     done_recv_ns: int  # the scheduler receives step_done
-    update_end_ns: int  # results applied and streamed
+    update_end_ns: int  # results applied to the scheduler's state
     device_start_ns: int  # the worker's compute span on the device
     device_end_ns: int
+    # New tokens streamed to the clients, after the next step is sent (0 in older traces).
+    publish_start_ns: int = 0
+    publish_end_ns: int = 0
 
     @property
     def is_decode_only(self) -> bool:
@@ -46,6 +49,7 @@ def write_chrome_trace(records: Iterable[StepRecord], path: str | Path) -> None:
         events += [
             _span("schedule+pack", SCHEDULER_PID, r.schedule_start_ns, r.pack_end_ns, r.step, args),
             _span("update", SCHEDULER_PID, r.done_recv_ns, r.update_end_ns, r.step, args),
+            _span("publish", SCHEDULER_PID, r.publish_start_ns, r.publish_end_ns, r.step, args),
             _span("step", WORKER_PID, r.device_start_ns, r.device_end_ns, r.step, args),
         ]
     trace = {"traceEvents": events, "cbpipe_steps": [asdict(r) for r in records]}
@@ -70,7 +74,7 @@ class BusyStats:
     p99_gap_ms: float
     median_step_ms: float
     p99_step_ms: float
-    median_scheduler_ms: float  # CPU per step: schedule + pack + update
+    median_scheduler_ms: float  # CPU per step: schedule + pack + update + publish
 
 
 def busy_stats(records: Sequence[StepRecord]) -> BusyStats:
@@ -85,8 +89,8 @@ def busy_stats(records: Sequence[StepRecord]) -> BusyStats:
         for a, b in zip(steps, steps[1:], strict=False)
     ]
     durations = [(r.device_end_ns - r.device_start_ns) / 1e6 for r in steps]
-    cpu = [(r.pack_end_ns - r.schedule_start_ns + r.update_end_ns - r.done_recv_ns) / 1e6
-           for r in steps]  # fmt: skip
+    cpu = [(r.pack_end_ns - r.schedule_start_ns + r.update_end_ns - r.done_recv_ns
+            + r.publish_end_ns - r.publish_start_ns) / 1e6 for r in steps]  # fmt: skip
     return BusyStats(
         num_steps=len(steps),
         span_s=span / 1e9,

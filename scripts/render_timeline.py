@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from cbpipe.trace import StepRecord, busy_stats, load_steps  # noqa: E402
 
-COLORS = {"plan": "#4c72b0", "update": "#dd8452", "gpu": "#55a868"}
+COLORS = {"plan": "#4c72b0", "update": "#dd8452", "publish": "#c44e52", "gpu": "#55a868"}
 
 
 def stretch(records: list[StepRecord], num_steps: int) -> list[StepRecord]:
@@ -40,6 +40,9 @@ def draw(ax: plt.Axes, title: str, records: list[StepRecord]) -> None:
                        (1.1, 0.8), color=COLORS["plan"])  # fmt: skip
         ax.broken_barh([(ms(r.done_recv_ns), ms(r.update_end_ns) - ms(r.done_recv_ns))],
                        (1.1, 0.8), color=COLORS["update"])  # fmt: skip
+        if r.publish_end_ns:  # absent from traces older than the field
+            publish = ms(r.publish_start_ns), ms(r.publish_end_ns) - ms(r.publish_start_ns)
+            ax.broken_barh([publish], (1.1, 0.8), color=COLORS["publish"])
         ax.broken_barh([(ms(r.device_start_ns), ms(r.device_end_ns) - ms(r.device_start_ns))],
                        (0.1, 0.8), color=COLORS["gpu"], edgecolor="white")  # fmt: skip
     stats = busy_stats(records)
@@ -67,8 +70,8 @@ def main() -> None:
         draw(ax, label, stretch(load_steps(path), args.steps))
     axes[-1, 0].set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    fig.legend(handles, ["schedule + pack", "apply results + stream", "device step"],
-               loc="lower right", ncol=3, fontsize=8)  # fmt: skip
+    fig.legend(handles, ["schedule + pack", "apply results", "stream to clients", "device step"],
+               loc="lower right", ncol=4, fontsize=8)  # fmt: skip
     if args.title:
         fig.suptitle(args.title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))

@@ -19,7 +19,7 @@ import zmq
 import zmq.utils.monitor
 
 from cbpipe.protocol.messages import Shutdown, Step, StepDone, WorkerFailed, decode, encode
-from cbpipe.scheduler.core import Scheduler, StepPlan
+from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.trace import StepRecord
@@ -40,6 +40,17 @@ class InFlight:
     slot: int
     schedule_start_ns: int
     sent_ns: int
+
+
+@dataclass
+class Applied:
+    """A step whose results the scheduler has applied but not yet streamed to the clients."""
+
+    done: InFlight
+    message: StepDone
+    updates: list[RequestUpdate]
+    done_recv_ns: int
+    update_end_ns: int
 
 
 class EngineLoop:
@@ -68,6 +79,7 @@ class EngineLoop:
         self.pack_delay_s = pack_delay_s
         self.records: list[StepRecord] | None = [] if record_steps else None
         self.in_flight: deque[InFlight] = deque()
+        self.unpublished: list[Applied] = []
         self.num_slots = packer.layout.num_slots
         self._next_slot = 0
         self._last_slot: int | None = None
@@ -80,12 +92,18 @@ class EngineLoop:
             self.poller.register(socket, zmq.POLLIN)
 
     def run(self) -> None:
-        """Serve until ``stop()``; raises ``WorkerLost`` if the worker goes away."""
+        """Serve until ``stop()``; raises ``WorkerLost`` if the worker goes away.
+
+        A step's results are applied as soon as they arrive, but streamed to the clients only
+        after the next step is sent: the worker's queue is refilled first.
+        """
         while not self.stopping:
             if self._can_launch():
                 self._launch()
+                self._publish()
                 self._poll(timeout_ms=0)
             else:
+                self._publish()
                 self._poll(timeout_ms=POLL_MS)
 
     def stop(self) -> None:
@@ -161,24 +179,9 @@ class EngineLoop:
         done_recv_ns = time.perf_counter_ns()
         done = self.in_flight.popleft()
         sampled = self.packer.sampled_ids(done.slot, len(done.plan.seqs))
-        self.frontend.publish(self.scheduler.update(done.plan, sampled))
+        updates = self.scheduler.update(done.plan, sampled)
         update_end_ns = time.perf_counter_ns()
-        if self.records is not None:
-            self.records.append(
-                StepRecord(
-                    step=message.step,
-                    num_seqs=done.step.num_seqs,
-                    num_tokens=done.step.num_tokens,
-                    num_decodes=done.step.num_single_token_seqs,
-                    num_context_tokens=sum(s.start + s.num_query_tokens for s in done.plan.seqs),
-                    schedule_start_ns=done.schedule_start_ns,
-                    pack_end_ns=done.sent_ns,
-                    done_recv_ns=done_recv_ns,
-                    update_end_ns=update_end_ns,
-                    device_start_ns=message.device_start_ns,
-                    device_end_ns=message.device_end_ns,
-                )
-            )
+        self.unpublished.append(Applied(done, message, updates, done_recv_ns, update_end_ns))
         log.debug(
             "step %d done: %.2f ms on the device, %.2f ms round trip, %.2f ms to apply",
             message.step,
@@ -187,10 +190,37 @@ class EngineLoop:
             (update_end_ns - done_recv_ns) / 1e6,
         )
 
+    def _publish(self) -> None:
+        for applied in self.unpublished:
+            publish_start_ns = time.perf_counter_ns()
+            self.frontend.publish(applied.updates)
+            if self.records is not None:
+                self.records.append(_record(applied, publish_start_ns, time.perf_counter_ns()))
+        self.unpublished.clear()
+
     def _on_monitor_event(self) -> None:
         event = zmq.utils.monitor.recv_monitor_message(self.worker_monitor)
         if event["event"] == zmq.EVENT_DISCONNECTED and not self.stopping:
             raise WorkerLost("the worker process exited")
+
+
+def _record(applied: Applied, publish_start_ns: int, publish_end_ns: int) -> StepRecord:
+    done, message = applied.done, applied.message
+    return StepRecord(
+        step=message.step,
+        num_seqs=done.step.num_seqs,
+        num_tokens=done.step.num_tokens,
+        num_decodes=done.step.num_single_token_seqs,
+        num_context_tokens=sum(s.start + s.num_query_tokens for s in done.plan.seqs),
+        schedule_start_ns=done.schedule_start_ns,
+        pack_end_ns=done.sent_ns,
+        done_recv_ns=applied.done_recv_ns,
+        update_end_ns=applied.update_end_ns,
+        device_start_ns=message.device_start_ns,
+        device_end_ns=message.device_end_ns,
+        publish_start_ns=publish_start_ns,
+        publish_end_ns=publish_end_ns,
+    )
 
 
 def _busy_wait_until(deadline_ns: int) -> None:

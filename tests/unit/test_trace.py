@@ -7,7 +7,11 @@ MS = 1_000_000
 
 def record(step: int, device_start_ms: float, device_end_ms: float) -> StepRecord:
     start, end = int(device_start_ms * MS), int(device_end_ms * MS)
-    return StepRecord(step, 4, 4, 4, 400, start - MS, start, end, end + MS // 2, start, end)
+    update_end = end + MS // 2
+    return StepRecord(
+        step, 4, 4, 4, 400, start - MS, start, end, update_end, start, end,
+        publish_start_ns=update_end + MS, publish_end_ns=update_end + MS + MS // 4,
+    )  # fmt: skip
 
 
 def test_busy_fraction_and_gaps() -> None:
@@ -16,7 +20,7 @@ def test_busy_fraction_and_gaps() -> None:
     assert stats.num_steps == 2
     assert abs(stats.busy_fraction - 20 / 22) < 1e-9
     assert abs(stats.median_gap_ms - 2.0) < 1e-9 and abs(stats.median_step_ms - 10.0) < 1e-9
-    assert abs(stats.median_scheduler_ms - 1.5) < 1e-9
+    assert abs(stats.median_scheduler_ms - 1.75) < 1e-9  # schedule 1 + update 0.5 + publish 0.25
     assert busy_stats([]).num_steps == 0
 
 
@@ -26,7 +30,7 @@ def test_chrome_trace_has_cpu_and_gpu_rows_and_round_trips(tmp_path) -> None:
     write_chrome_trace(records, path)
     events = json.loads(path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
-    assert {e["cat"] for e in spans} == {"schedule+pack", "update", "step"}
+    assert {e["cat"] for e in spans} == {"schedule+pack", "update", "publish", "step"}
     assert {e["pid"] for e in spans} == {1, 2}
     gpu = sorted((e for e in spans if e["cat"] == "step"), key=lambda e: e["ts"])
     assert gpu[0]["dur"] == 10_000 and gpu[1]["ts"] - gpu[0]["ts"] == 12_000  # microseconds
