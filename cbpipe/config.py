@@ -72,6 +72,11 @@ class WorkerConfig:
         "replay decode steps from CUDA graphs captured at start-up, one per batch-size bucket "
         "and slot (CUDA with the triton backend only; --no-cuda-graphs runs every step eagerly)",
     )
+    compile_decode: bool = _opt(
+        False,
+        "torch.compile the forward that decode graphs capture: fuses the norms, rotary "
+        "embeddings and activations between the matrix products (adds start-up time)",
+    )
     max_graph_batch: int | None = _opt(
         None, "largest decode batch captured in a graph; default: --max-num-seqs"
     )

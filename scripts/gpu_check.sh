@@ -7,7 +7,9 @@
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync                                              (~3 min)
 #   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
-#            sync; random:llama-1b x1024, prompts 64-1024 and outputs 64-512       (~8 min)
+#            sync; random:llama-1b x1024, prompts 64-1024 and outputs 64-512, async
+#            (TARGET_1B_MODES)                                                    (~6 min)
+#   compile  the micro part's 8B decode step with --compile-decode: start-up and step time
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
@@ -128,11 +130,23 @@ if want target; then
         BENCH_TIMEOUT=$TARGET_TIMEOUT bench target8b --model random:llama-8b --num-requests 32 \
             --prompt-len 256 --output-len $((8192 / BENCH_SCALE)) --trace-dir "$OUT/traces8b"
         echo "exit code $?"
-        bench target1b --model random:llama-1b --num-requests 1024 \
+        BENCH_MODES=${TARGET_1B_MODES:-async} bench target1b --model random:llama-1b \
+            --num-requests 1024 --trace-dir "$OUT/traces1b" \
             --random-prompt-len 64,1024 --random-output-len 64,$((512 / BENCH_SCALE)) --seed 0
         echo "exit code $?"
     } 2>&1 | tee "$OUT/target.log"
     rcs+=("target=$(grep '^exit code' "$OUT/target.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want compile; then
+    {
+        section "one decode step, random:llama-8b x32, context 4096, --compile-decode"
+        timeout -k 10 "${COMPILE_TIMEOUT:-300}" "$PY" scripts/profile_step.py \
+            --model random:llama-8b --batch 32 --context 4096 --steps 30 --compile-decode 2>&1 \
+            | grep -v '^USDT' | head -45
+        echo "exit code ${PIPESTATUS[0]}"
+    } 2>&1 | tee "$OUT/compile.log"
+    rcs+=("compile=$(grep '^exit code' "$OUT/compile.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 {

@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile-decode", action="store_true")
     parser.add_argument(
         "--grow",
         action="store_true",
@@ -60,8 +61,11 @@ def main() -> None:
     segment = memoryview(bytearray(layout.segment_nbytes))
     kernel = attention.load_decode_kernel(args.attention_backend, device)
     graphs = args.cuda_graphs and kernel is not None
+    started = time.perf_counter()
     runner = StepRunner(model, kv, layout, segment, device, decode_kernel=kernel,
-                        graph_batch_sizes=[args.batch] if graphs else ())  # fmt: skip
+                        graph_batch_sizes=[args.batch] if graphs else (),
+                        compile_decode=args.compile_decode and graphs)  # fmt: skip
+    print(f"runner ready in {time.perf_counter() - started:.1f} s (graphs: {len(runner.graphs)})")
 
     scheduler = Scheduler(BlockManager(num_blocks, bs), max_num_seqs=args.batch,
                           max_batch_tokens=args.batch)  # fmt: skip

@@ -82,6 +82,7 @@ class InProcessEngine:
     dtype: torch.dtype = torch.float32
     attention_backend: str = "auto"  # the worker's choice: the Triton kernel on CUDA
     cuda_graphs: bool = True  # on CUDA with the kernel; ignored elsewhere, as in the worker
+    compile_decode: bool = False
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
@@ -109,6 +110,7 @@ class InProcessEngine:
             self.device,
             decode_kernel=kernel,
             graph_batch_sizes=bucket_sizes(self.max_num_seqs) if graphs else (),
+            compile_decode=self.compile_decode,
         )
 
     def close(self) -> None:

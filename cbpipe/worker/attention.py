@@ -98,6 +98,9 @@ class PagedStep:
     prefill_scatter: tuple[torch.Tensor, torch.Tensor] | None  # (seq, offset) of prefill rows
     num_decode_rows: int
     decode_kernel: DecodeKernel | None  # None: decode rows take the torch path too
+    # Decode rows only, through the ``cbpipe::decode_attention`` op: one opaque call per layer
+    # that torch.compile leaves alone and CUDA graphs capture.
+    decode_op: bool = False
 
     @classmethod
     def build(
@@ -167,15 +170,51 @@ class PagedStep:
         context_lens: torch.Tensor,
         block_tables: torch.Tensor,
         block_table_width: torch.Tensor,
-        decode_kernel: DecodeKernel,
     ) -> PagedStep:
         """A step of single-row sequences with fixed shapes, as a CUDA graph captures it.
 
         ``block_tables`` is flat and its row width lives on the device only, so one graph
-        serves every width.
+        serves every width. Attention goes through the Triton kernel (``decode_attention``).
         """
         decode = DecodeRows(context_lens, block_tables, block_table_width, None)
-        return cls(kv_cache, slot_mapping, decode, None, None, len(slot_mapping), decode_kernel)
+        n = len(slot_mapping)
+        return cls(kv_cache, slot_mapping, decode, None, None, n, None, decode_op=True)
+
+
+@torch.library.custom_op("cbpipe::decode_attention", mutates_args=("key_cache", "value_cache"))
+def decode_attention(
+    query: torch.Tensor,  # [num_rows, heads, head_dim]
+    key: torch.Tensor,  # [num_rows, kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_table_width: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Write one decode row per sequence into the cache, then attend with the Triton kernel."""
+    from cbpipe.worker.kernels.paged_decode import paged_decode_attention
+
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    return paged_decode_attention(
+        query.contiguous(),
+        key_cache,
+        value_cache,
+        block_tables,
+        block_table_width,
+        context_lens,
+        block_size=block_size,
+        scale=scale,
+    )
+
+
+@decode_attention.register_fake
+def _decode_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(query)
 
 
 def paged_attention_forward(
@@ -193,13 +232,30 @@ def paged_attention_forward(
     layer = module.layer_idx
     k_cache = paged.kv_cache.keys[layer]
     v_cache = paged.kv_cache.values[layer]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if paged.decode_op:
+        decode = paged.decode
+        assert decode is not None
+        out = torch.ops.cbpipe.decode_attention(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            k_cache,
+            v_cache,
+            paged.slot_mapping,
+            decode.block_tables,
+            decode.block_table_width,
+            decode.context_lens,
+            paged.kv_cache.block_size,
+            scaling,
+        )
+        return out[None], None
     k_cache.index_copy_(0, paged.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, paged.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     q = query[0].transpose(0, 1)  # [num_tokens, heads, head_dim]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
     if paged.decode is not None:
         n = paged.num_decode_rows
         _attend_decode(q[:n], k_cache, v_cache, paged, scaling, out[:n])

@@ -110,6 +110,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         device,
         decode_kernel=decode_kernel,
         graph_batch_sizes=graph_sizes,
+        compile_decode=config.worker.compile_decode and bool(graph_sizes),
     )
     hello = WorkerReady(
         model=source.name,

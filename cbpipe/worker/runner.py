@@ -117,10 +117,13 @@ class StepRunner:
         *,
         decode_kernel: DecodeKernel | None = None,
         graph_batch_sizes: Sequence[int] = (),
+        compile_decode: bool = False,
     ) -> None:
         """``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
 
         On the CPU they are not captured but run as the same fixed-size body (for tests).
+        ``compile_decode``: run the graphs' forward through ``torch.compile``, which fuses the
+        small element-wise kernels between the matrix products and the attention op.
         """
         self.model = model
         self.kv_cache = kv_cache
@@ -144,6 +147,8 @@ class StepRunner:
         self.d2h_done = [self._event() for _ in range(num_slots)]
         self.clock = DeviceClock(device) if self.cuda else None
         self.decode_kernel = decode_kernel
+        # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
+        self._decode_model = torch.compile(model, dynamic=True) if compile_decode else model
         text_config = model.config.get_text_config()
         heads = text_config.num_attention_heads
         self.kv_group_size = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
@@ -304,16 +309,19 @@ class StepRunner:
             valid, inputs["slot_mapping"][:batch], self.kv_cache.padding_slot
         )
         context_lens = torch.where(valid, inputs["context_lens"][:batch], 0)
-        assert self.decode_kernel is not None
         paged = PagedStep.decode_only(
             self.kv_cache,
             slot_mapping=slot_mapping,
             context_lens=context_lens,
             block_tables=inputs["block_tables"],
             block_table_width=inputs["header"][_WIDTH : _WIDTH + 1],
-            decode_kernel=self.decode_kernel,
         )
-        logits = self._forward(input_ids, inputs["positions"][:batch], paged, 0)
+        logits = self._decode_model(
+            input_ids=input_ids[None],
+            position_ids=inputs["positions"][:batch][None],
+            use_cache=False,
+            paged=paged,
+        ).logits[0]
         self._sample(slot, logits, batch, all_greedy, needs_top_k_top_p=False)
 
     def _carry_over(

@@ -150,17 +150,23 @@ def test_random_arrivals_interleaving_and_cancellation() -> None:
 
 
 @needs_embedded
-def test_decode_graph_bodies_with_the_triton_kernel_match_generate() -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_decode_graph_bodies_with_the_triton_kernel_match_generate(compiled: bool) -> None:
     """The padded decode body that CUDA graphs capture, and the Triton decode kernel, on the
     CPU: the body runs uncaptured at its bucket's fixed size (rows past ``num_seqs`` are
     padding) and the kernel under Triton's interpreter. Steps flip between async and sync,
-    so carry-over into a replayed body is exercised too."""
+    so carry-over into a replayed body is exercised too. Compiled: the forward goes through
+    ``torch.compile`` (inductor's CPU code here), with the attention op left opaque."""
     source = resolve_model(EMBEDDED)
     rng = random.Random(5)
     prompts = _prompts(rng, source.config.vocab_size, count=7, longest=60)
     params = [SamplingParams(max_new_tokens=rng.randint(6, 16), ignore_eos=True) for _ in prompts]
     engine = InProcessEngine(
-        EMBEDDED, max_batch_tokens=64, max_num_seqs=6, attention_backend="triton"
+        EMBEDDED,
+        max_batch_tokens=64,
+        max_num_seqs=6,
+        attention_backend="triton",
+        compile_decode=compiled,
     )
     assert engine.runner.graphs.batch_sizes == [1, 2, 4, 6]
     graphs = engine.runner.graphs
