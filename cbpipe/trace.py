@@ -77,6 +77,17 @@ class BusyStats:
     median_scheduler_ms: float  # CPU per step: schedule + pack + update + publish
 
 
+def decode_phase(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """Every step from the first decode-only step to the last, in device order.
+
+    Steps with prefill rows in between belong to it: they decode too, and leaving them out
+    would count their device time as idle.
+    """
+    steps = sorted(records, key=lambda r: r.device_start_ns)
+    decodes = [i for i, r in enumerate(steps) if r.is_decode_only]
+    return steps[decodes[0] : decodes[-1] + 1] if decodes else []
+
+
 def busy_stats(records: Sequence[StepRecord]) -> BusyStats:
     """Device busy fraction and idle gaps over ``records`` (for example the decode phase)."""
     steps = sorted(records, key=lambda r: r.device_start_ns)

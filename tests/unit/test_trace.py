@@ -1,6 +1,6 @@
 import json
 
-from cbpipe.trace import StepRecord, busy_stats, load_steps, write_chrome_trace
+from cbpipe.trace import StepRecord, busy_stats, decode_phase, load_steps, write_chrome_trace
 
 MS = 1_000_000
 
@@ -35,3 +35,16 @@ def test_chrome_trace_has_cpu_and_gpu_rows_and_round_trips(tmp_path) -> None:
     gpu = sorted((e for e in spans if e["cat"] == "step"), key=lambda e: e["ts"])
     assert gpu[0]["dur"] == 10_000 and gpu[1]["ts"] - gpu[0]["ts"] == 12_000  # microseconds
     assert load_steps(path) == records
+
+
+def test_decode_phase_keeps_mixed_steps_between_decodes() -> None:
+    prefill = StepRecord(0, 4, 64, 0, 400, 0, 0, 0, 0, 0, 10 * MS)
+    decode = record(1, 11, 15)
+    mixed = StepRecord(2, 4, 30, 3, 400, 0, 0, 0, 0, 15 * MS, 25 * MS)
+    last = record(3, 25, 30)
+    tail = StepRecord(4, 1, 20, 0, 400, 0, 0, 0, 0, 30 * MS, 40 * MS)
+    phase = decode_phase([tail, last, mixed, decode, prefill])
+    assert [r.step for r in phase] == [1, 2, 3]
+    # The mixed step's device time is busy time, not a gap.
+    assert busy_stats(phase).busy_fraction == 1.0
+    assert decode_phase([prefill]) == []
