@@ -18,15 +18,22 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from cbpipe.trace import StepRecord, busy_stats, load_steps  # noqa: E402
+from cbpipe.trace import StepRecord, busy_stats, decode_phase, load_steps  # noqa: E402
 
-COLORS = {"plan": "#4c72b0", "update": "#dd8452", "publish": "#c44e52", "gpu": "#55a868"}
+COLORS = {
+    "plan": "#4c72b0",
+    "update": "#dd8452",
+    "publish": "#c44e52",
+    "gpu": "#55a868",
+    "mixed": "#8172b3",
+}
 
 
 def stretch(records: list[StepRecord], num_steps: int) -> list[StepRecord]:
-    decodes = [r for r in records if r.is_decode_only]
-    middle = max(len(decodes) // 2 - num_steps // 2, 0)
-    return decodes[middle : middle + num_steps]
+    """Consecutive steps from the middle of the decode phase, mixed steps included."""
+    phase = decode_phase(records)
+    middle = max(len(phase) // 2 - num_steps // 2, 0)
+    return phase[middle : middle + num_steps]
 
 
 def draw(ax: plt.Axes, title: str, records: list[StepRecord]) -> None:
@@ -44,7 +51,8 @@ def draw(ax: plt.Axes, title: str, records: list[StepRecord]) -> None:
             publish = ms(r.publish_start_ns), ms(r.publish_end_ns) - ms(r.publish_start_ns)
             ax.broken_barh([publish], (1.1, 0.8), color=COLORS["publish"])
         ax.broken_barh([(ms(r.device_start_ns), ms(r.device_end_ns) - ms(r.device_start_ns))],
-                       (0.1, 0.8), color=COLORS["gpu"], edgecolor="white")  # fmt: skip
+                       (0.1, 0.8), color=COLORS["gpu" if r.is_decode_only else "mixed"],
+                       edgecolor="white")  # fmt: skip
     stats = busy_stats(records)
     ax.set_title(f"{title}: device busy {stats.busy_fraction:.1%}, median idle gap "
                  f"{stats.median_gap_ms:.2f} ms, median step {stats.median_step_ms:.2f} ms",
@@ -70,8 +78,9 @@ def main() -> None:
         draw(ax, label, stretch(load_steps(path), args.steps))
     axes[-1, 0].set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    fig.legend(handles, ["schedule + pack", "apply results", "stream to clients", "device step"],
-               loc="lower right", ncol=4, fontsize=8)  # fmt: skip
+    names = ["schedule + pack", "apply results", "stream to clients", "device: decode step",
+             "device: step with prefill"]  # fmt: skip
+    fig.legend(handles, names, loc="lower right", ncol=5, fontsize=8)
     if args.title:
         fig.suptitle(args.title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
