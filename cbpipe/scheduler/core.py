@@ -114,9 +114,12 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING or not self._can_schedule(req):
+            if req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = min(req.num_tokens_to_compute, budget)
+            num_to_compute = req.num_tokens_to_compute
+            if not self._can_schedule(req, num_to_compute):
+                continue
+            num_new = min(num_to_compute, budget)
             if not self._reserve_blocks(req, num_new, preempted):
                 continue  # req itself was preempted
             chosen.append((req, num_new))
@@ -167,17 +170,21 @@ class Scheduler:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _can_schedule(self, req: Request) -> bool:
-        if req.num_tokens_to_compute <= 0:
+    def _can_schedule(self, req: Request, num_to_compute: int | None = None) -> bool:
+        if num_to_compute is None:
+            num_to_compute = req.num_tokens_to_compute
+        if num_to_compute <= 0:
             return False
         # Every token is computed but the last; computing it would only sample a token that
         # the length limits already forbid.
-        decoding = req.num_tokens_to_compute == 1 and req.num_computed_tokens > 0
+        decoding = num_to_compute == 1 and req.num_computed_tokens > 0
         return req.may_sample_more or not decoding
 
     def _reserve_blocks(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
         """Grow ``req``'s table for ``num_new`` tokens, preempting the newest requests if needed."""
         total = req.num_computed_tokens + num_new
+        if total <= len(req.block_ids) * self.blocks.block_size:
+            return True  # most decode steps: the last block has room
         while self.blocks.num_missing_blocks(req.block_ids, total) > self.blocks.num_free_blocks:
             victim = self.running[-1]
             self._preempt(victim)
