@@ -1,0 +1,97 @@
+"""The scheduler's CPU time per step, without a worker: plan, pack and apply, as the loop does.
+
+The scheduler core and the packer run in the engine's asynchronous call order (step N+1 is
+planned and packed before step N's sampled ids are applied) over a mixed workload; the
+sampled ids are whatever the output region holds, since only the bookkeeping is timed.
+Times are process CPU time, so a busy machine disturbs them less than wall time would.
+
+    python scripts/bench_scheduler.py --num-requests 1024 --max-num-seqs 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import random
+import statistics
+import time
+
+from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.slots import SlotLayout, SlotLimits
+from cbpipe.scheduler.block_manager import BlockManager
+from cbpipe.scheduler.core import Scheduler, StepPlan
+from cbpipe.scheduler.packer import BatchPacker
+from cbpipe.scheduler.request import Request
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 1024), metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(64, 512), metavar=("LO", "HI"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    max_len = args.prompt_len[1] + args.output_len[1]
+    blocks_per_seq = -(-max_len // args.block_size)
+    limits = SlotLimits(args.max_batch_tokens, args.max_num_seqs, blocks_per_seq)
+    layout = SlotLayout.build(limits)
+    segment = memoryview(mmap.mmap(-1, layout.segment_nbytes))
+    # Room for every running sequence at full length: no preemption in the measurement.
+    blocks = BlockManager(args.max_num_seqs * blocks_per_seq, args.block_size)
+    scheduler = Scheduler(
+        blocks, max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens
+    )
+    packer = BatchPacker(segment, layout, args.block_size)
+    rng = random.Random(args.seed)
+    for i in range(args.num_requests):
+        prompt = [rng.randrange(32000) for _ in range(rng.randint(*args.prompt_len))]
+        params = SamplingParams(max_new_tokens=rng.randint(*args.output_len), ignore_eos=True)
+        scheduler.add_request(Request(i, prompt, params, i, max_len, frozenset()))
+
+    cpu_ms: dict[str, list[float]] = {"decode-only": [], "with prefill": []}
+    in_flight: list[tuple[StepPlan, int]] = []
+
+    def apply_oldest() -> float:
+        plan, slot = in_flight.pop(0)
+        start = time.process_time()
+        scheduler.update(plan, packer.sampled_ids(slot, len(plan.seqs)))
+        return time.process_time() - start
+
+    started = time.perf_counter()
+    step = 0
+    while scheduler.requests:
+        start = time.process_time()
+        plan = scheduler.schedule()
+        if not plan.seqs:  # everything left waits on the step in flight
+            apply_oldest()
+            continue
+        previous = in_flight[-1][1] if in_flight else None
+        packed = packer.pack(plan, step % 2, previous)
+        elapsed = time.process_time() - start
+        in_flight.append((plan, step % 2))
+        if len(in_flight) == 2:
+            elapsed += apply_oldest()
+        kind = "decode-only" if packed.num_single_token_seqs == packed.num_seqs else "with prefill"
+        cpu_ms[kind].append(elapsed * 1e3)
+        step += 1
+    while in_flight:
+        apply_oldest()
+
+    print(f"{args.num_requests} requests, {step} steps in {time.perf_counter() - started:.1f} s")
+    for kind, values in cpu_ms.items():
+        if values:
+            values.sort()
+            p90 = values[int(0.9 * (len(values) - 1))]
+            print(f"{kind:>13}: {len(values):5d} steps, CPU per step (plan + pack + apply) "
+                  f"median {statistics.median(values):.3f} ms, p90 {p90:.3f} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
