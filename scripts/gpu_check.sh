@@ -2,8 +2,9 @@
 # The one script every GPU session runs, from the repository root on the device machine.
 # Parts (PARTS, a comma list, in this order):
 #   tests    pytest tests/gpu and the kernel tests on the GPU                   (~4 min)
-#   micro    scripts/bench_attention.py, and one decode step of random:llama-8b at batch 32
-#            (context 4096) eager vs CUDA graph against its bandwidth floor      (~2 min)
+#   micro    scripts/bench_attention.py, one decode step of random:llama-8b at batch 32
+#            (context 4096) eager vs CUDA graph against its bandwidth floor, and one mixed
+#            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync                                              (~3 min)
 #   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
@@ -109,6 +110,11 @@ if want micro; then
                 --context 4096 --steps 30 "$graphs" 2>&1 | grep -v '^USDT' | head -45
             echo "exit code ${PIPESTATUS[0]}"
         done
+        section "one mixed step, random:llama-1b: 200 decodes at context 512 + 2 prefills of 900"
+        timeout -k 10 120 "$PY" scripts/profile_step.py --model random:llama-1b --batch 200 \
+            --context 512 --steps 20 --prefill-len 900 --prefill-seqs 2 2>&1 \
+            | grep -v '^USDT' | head -45
+        echo "exit code ${PIPESTATUS[0]}"
     } 2>&1 | tee "$OUT/micro.log"
     rcs+=("micro=$(grep '^exit code' "$OUT/micro.log" | awk '{print $3}' | paste -sd/ -)")
 fi

@@ -42,6 +42,14 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-decode", action="store_true")
     parser.add_argument(
+        "--prefill-len",
+        type=int,
+        default=0,
+        help="add --prefill-seqs sequences whose first chunk of this many prompt tokens joins "
+        "the step (a mixed step, run eagerly)",
+    )
+    parser.add_argument("--prefill-seqs", type=int, default=1)
+    parser.add_argument(
         "--grow",
         action="store_true",
         help="lengthen the attended key range by one at every step, as real decoding does",
@@ -54,10 +62,14 @@ def main() -> None:
                        attn_implementation=attention.register())  # fmt: skip
     bs = args.block_size
     # Room for the keys a --grow run attends to (they are masked, but gathered).
-    blocks_per_seq = -(-(args.context + 2 * args.steps + 16) // bs)
-    num_blocks = args.batch * blocks_per_seq
+    longest = max(args.context + 2 * args.steps + 16, args.prefill_len)
+    blocks_per_seq = -(-longest // bs)
+    num_prefills = args.prefill_seqs if args.prefill_len else 0
+    num_seqs = args.batch + num_prefills
+    num_tokens = args.batch + num_prefills * args.prefill_len
+    num_blocks = num_seqs * blocks_per_seq
     kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
-    layout = SlotLayout.build(SlotLimits(args.batch, args.batch, blocks_per_seq))
+    layout = SlotLayout.build(SlotLimits(num_tokens, num_seqs, blocks_per_seq))
     segment = memoryview(bytearray(layout.segment_nbytes))
     kernel = attention.load_decode_kernel(args.attention_backend, device)
     graphs = args.cuda_graphs and kernel is not None
@@ -67,16 +79,22 @@ def main() -> None:
                         compile_decode=args.compile_decode and graphs)  # fmt: skip
     print(f"runner ready in {time.perf_counter() - started:.1f} s (graphs: {len(runner.graphs)})")
 
-    scheduler = Scheduler(BlockManager(num_blocks, bs), max_num_seqs=args.batch,
-                          max_batch_tokens=args.batch)  # fmt: skip
+    scheduler = Scheduler(BlockManager(num_blocks, bs), max_num_seqs=num_seqs,
+                          max_batch_tokens=num_tokens)  # fmt: skip
     for i in range(args.batch):
         req = Request(i, [1] * args.context, SamplingParams(1), 0, args.context + 1, frozenset())
         req.num_computed_tokens = args.context - 1  # only the last prompt token is left
         scheduler.blocks.grow(req.block_ids, blocks_per_seq * bs)
         scheduler.add_request(req)
+    for i in range(num_prefills):
+        prompt = [2] * args.prefill_len
+        scheduler.add_request(
+            Request(args.batch + i, prompt, SamplingParams(1), 0, args.prefill_len + 1, frozenset())
+        )
     plan = scheduler.schedule()
     step = BatchPacker(segment, layout, bs).pack(plan, 0, None)
-    print(f"{args.model} {dtype} on {device}: decode step of {step.num_seqs} seqs, "
+    print(f"{args.model} {dtype} on {device}: step of {step.num_seqs} seqs "
+          f"({step.num_single_token_seqs} decodes), {step.num_tokens} tokens, "
           f"context {step.max_context_len}")  # fmt: skip
 
     grown = 0
@@ -94,7 +112,7 @@ def main() -> None:
     run(3)
     wall, dev = run(args.steps)
     print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream")
-    if device.type == "cuda":
+    if device.type == "cuda" and not num_prefills:
         sizes = decode_bytes(model.config, dtype)
         floor_ms = sizes.step_bytes(step.num_seqs * args.context) / copy_bandwidth(device) * 1e3
         print(
