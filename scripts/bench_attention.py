@@ -1,6 +1,7 @@
-"""Decode attention alone on the GPU: the Triton paged kernel against gather-then-SDPA.
+"""Decode and prefill attention alone on the GPU: the Triton paged kernels against gather+SDPA.
 
-    python scripts/bench_attention.py [--json PATH] [--sweep]
+    python scripts/bench_attention.py [--json PATH] [--sweep] [--no-decode] [--no-prefill]
+                                      [--prefill-sweep] [--self-check]
 
 Shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128, bf16, block size
 16), at batch 32 and at batch 256 (a 1B-class model has the same head layout), with every
@@ -21,18 +22,41 @@ kernel that only reads can pass 1.0). A last section times the kernel at batch 3
 2048, launched eagerly against replayed from a CUDA graph, with the host time of one eager
 call, which is what graphs remove. ``--sweep`` also times the kernel over
 tile sizes, warps, stages and split counts, to pick the module's launch constants.
+
+Prefill (``--no-prefill`` skips it, ``--no-decode`` skips everything above) is timed at
+Llama-3.2-1B's attention (32 query heads, 8 KV heads, head_dim 64, bf16, block size 16) on
+three steps of 2048 new tokens: one sequence of 2048 (context 2048); four of 512 new tokens
+after 512 cached ones (context 1024, chunked prefill); two of 1024 (context 1024). Again two
+implementations:
+
+* ``triton``: ``paged_prefill_attention`` (``kernels/paged_prefill.py``) with its defaults.
+* ``gather+sdpa``: ``cbpipe.worker.attention._attend`` for a prefill group plus the scatter
+  back to packed rows: gather the query rows to ``[P, max_q]`` and the keys and values to
+  ``[P, max_k]``, fold the query heads of a KV head into query rows, SDPA (flash, efficient
+  or math) with the boolean mask ``[P, 1, G * max_q, max_k]``. The indices and the mask are
+  built outside the timed region, as ``PagedStep.build`` builds them once per step.
+
+Each reports the median time, the attention TFLOP/s of the causal work (the visible
+(query, key) pairs, 4 * heads * head_dim flops each) and the speed-up, and the time times
+16 (the 1B model's layers), to set against the 20-25 ms of a whole 2048-token prefill step.
+``--prefill-sweep`` times the prefill kernel over its tiles, warps and stages.
+``--self-check`` runs the prefill comparison at tiny sizes and exits: on a GPU if there is
+one, else on the CPU under Triton's interpreter (so the code path is checked without a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +66,12 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _SPIN_CYCLES = 2_000_000  # about 1 ms at H200 clocks: longer than any launch overhead
+# Prefill shapes: Llama-3.2-1B's attention, 16 layers.
+PREFILL_HEADS, PREFILL_KV_HEADS, PREFILL_HEAD_DIM, PREFILL_LAYERS = 32, 8, 64, 16
+# (sequences, new tokens per sequence, context per sequence: cached plus new)
+PREFILL_CASES = [(1, 2048, 2048), (4, 512, 1024), (2, 1024, 1024)]
+# --self-check: the same code path at sizes Triton's CPU interpreter gets through quickly.
+SELF_CHECK_CASES = [(1, 40, 40), (3, 9, 29), (2, 33, 33)]
 
 
 @dataclass
@@ -220,14 +250,270 @@ def sweep(device: torch.device, iters: int, flush: torch.Tensor) -> list[dict[st
     return results
 
 
+@dataclass
+class PrefillProblem:
+    query: torch.Tensor  # [rows, H, D], the sequences' new rows packed
+    key_cache: torch.Tensor  # [slots, KVH, D]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [S, width] int32
+    query_start: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor  # [S] int32
+    max_query_len: int
+    # The torch path's per-step metadata, as PagedStep.build makes it.
+    row_index: torch.Tensor  # [S, max_q]
+    kv_index: torch.Tensor  # [S, max_k]
+    mask: torch.Tensor  # [S, 1, G * max_q, max_k] bool
+    scatter_seq: torch.Tensor  # [rows]
+    scatter_offset: torch.Tensor  # [rows]
+
+    @property
+    def scale(self) -> float:
+        return PREFILL_HEAD_DIM**-0.5
+
+
+@dataclass
+class PrefillRow:
+    impl: str
+    seqs: int
+    new_tokens: int  # per sequence
+    context: int  # per sequence
+    ms: float
+    tflops: float  # of the causal attention's useful work
+
+
+def make_prefill_problem(
+    num_seqs: int, new: int, context: int, device: torch.device, dtype: torch.dtype = DTYPE
+) -> PrefillProblem:
+    width = -(-context // BLOCK_SIZE)
+    num_blocks = num_seqs * width
+    shape = (num_blocks * BLOCK_SIZE, PREFILL_KV_HEADS, PREFILL_HEAD_DIM)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn_like(key_cache)
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(num_seqs, width)
+    query_start = (torch.arange(num_seqs + 1, device=device) * new).to(torch.int32)
+    context_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+    num_rows = num_seqs * new
+    query = torch.randn(num_rows, PREFILL_HEADS, PREFILL_HEAD_DIM, dtype=dtype, device=device)
+    # Each sequence's new rows are its last positions.
+    positions = (context - new + torch.arange(num_rows, device=device) % new).long()
+
+    # As in PagedStep.build's prefill branch.
+    group = PREFILL_HEADS // PREFILL_KV_HEADS
+    key_pos = torch.arange(context, device=device)
+    kv_index = tables[:, key_pos // BLOCK_SIZE].long() * BLOCK_SIZE + key_pos % BLOCK_SIZE
+    starts = query_start[:num_seqs].long()
+    lengths = query_start[1:].long() - starts
+    offsets = torch.arange(new, device=device)
+    rows = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
+    mask = key_pos[None, None, :] <= positions[rows][:, :, None]
+    mask = mask[:, None].repeat(1, 1, group, 1)
+    row_ids = torch.arange(num_rows, device=device)
+    seq_of_row = torch.searchsorted(starts, row_ids, right=True) - 1
+    return PrefillProblem(
+        query,
+        key_cache,
+        value_cache,
+        tables,
+        query_start,
+        context_lens,
+        new,
+        rows,
+        kv_index,
+        mask,
+        seq_of_row,
+        row_ids - starts[seq_of_row],
+    )
+
+
+def triton_prefill(
+    p: PrefillProblem,
+    block_rows: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    from cbpipe.worker.kernels.paged_prefill import paged_prefill_attention
+
+    return paged_prefill_attention(
+        p.query,
+        p.key_cache,
+        p.value_cache,
+        p.block_tables,
+        p.query_start,
+        p.context_lens,
+        block_size=BLOCK_SIZE,
+        scale=p.scale,
+        max_query_len=p.max_query_len,
+        block_rows=block_rows,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def gather_sdpa_prefill(p: PrefillProblem) -> torch.Tensor:
+    """``cbpipe.worker.attention._attend`` on the prefill group, then the scatter to rows."""
+    num_seqs, max_q = p.row_index.shape
+    group = PREFILL_HEADS // PREFILL_KV_HEADS
+    q = p.query[p.row_index]  # [S, max_q, H, D]
+    q = q.view(num_seqs, max_q, PREFILL_KV_HEADS, group, PREFILL_HEAD_DIM).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, PREFILL_KV_HEADS, group * max_q, PREFILL_HEAD_DIM)
+    k = p.key_cache[p.kv_index].transpose(1, 2).to(q.dtype)  # [S, KVH, max_k, D]
+    v = p.value_cache[p.kv_index].transpose(1, 2).to(q.dtype)
+    with sdpa_kernel(_BACKENDS):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=p.scale)
+    out = out.view(num_seqs, PREFILL_KV_HEADS, group, max_q, PREFILL_HEAD_DIM)
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, PREFILL_HEADS, PREFILL_HEAD_DIM)
+    return out[p.scatter_seq, p.scatter_offset]
+
+
+def prefill_flops(seqs: int, new: int, context: int) -> int:
+    # Row j of a chunk sees context - new + j + 1 keys; QK^T and PV, 2 flops per multiply-add.
+    pairs = new * (context - new) + new * (new + 1) // 2
+    return 4 * PREFILL_HEADS * PREFILL_HEAD_DIM * pairs * seqs
+
+
+def prefill_mismatch(p: PrefillProblem) -> tuple[float, float]:
+    """Largest difference of the two paths, absolute and beyond a bf16 unit (2^-7) of size."""
+    a = triton_prefill(p).float()
+    b = gather_sdpa_prefill(p).float()
+    err = (a - b).abs()
+    return err.max().item(), (err - 2.0**-7 * b.abs()).max().item()
+
+
+def self_check() -> None:
+    """The prefill comparison at tiny sizes, plus the float32 reference; exits on a mismatch."""
+    from cbpipe.worker.kernels.paged_prefill import paged_prefill_reference
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    failed = False
+    for seqs, new, context in SELF_CHECK_CASES:
+        p = make_prefill_problem(seqs, new, context, device)
+        want = paged_prefill_reference(
+            p.query,
+            p.key_cache,
+            p.value_cache,
+            p.block_tables,
+            p.query_start,
+            p.context_lens,
+            block_size=BLOCK_SIZE,
+            scale=p.scale,
+            max_query_len=p.max_query_len,
+        )
+        to_ref = {
+            impl: (fn(p).float() - want).abs().max().item()
+            for impl, fn in (("triton", triton_prefill), ("gather+sdpa", gather_sdpa_prefill))
+        }
+        err, scaled = prefill_mismatch(p)
+        ok = scaled <= 1e-2 and max(to_ref.values()) <= 3e-2
+        failed |= not ok
+        print(
+            f"{seqs} x {new} new, context {context} on {device}: triton vs gather+sdpa "
+            f"{err:.3g}, vs the float32 reference {to_ref['triton']:.3g} (gather+sdpa "
+            f"{to_ref['gather+sdpa']:.3g}): {'ok' if ok else 'MISMATCH'}",
+            flush=True,
+        )
+    if failed:
+        sys.exit("self-check failed")
+
+
+def prefill_section(device: torch.device, iters: int, flush: torch.Tensor) -> list[PrefillRow]:
+    rows: list[PrefillRow] = []
+    for seqs, new, context in PREFILL_CASES:
+        p = make_prefill_problem(seqs, new, context, device)
+        err, scaled = prefill_mismatch(p)
+        if scaled > 1e-2:
+            sys.exit(f"prefill {seqs} x {new} context {context}: paths differ by {err:.3g}")
+        flops = prefill_flops(seqs, new, context)
+        for impl, fn in (("triton", triton_prefill), ("gather+sdpa", gather_sdpa_prefill)):
+            ms = time_ms(functools.partial(fn, p), iters, flush)
+            rows.append(PrefillRow(impl, seqs, new, context, ms, flops / (ms / 1e3) / 1e12))
+        del p
+        torch.cuda.empty_cache()
+
+    print(
+        f"\nprefill ({PREFILL_HEADS} heads, {PREFILL_KV_HEADS} KV heads, head_dim "
+        f"{PREFILL_HEAD_DIM}, bf16, block {BLOCK_SIZE}), one layer:\n"
+        f"{'impl':<12} {'seqs':>4} {'new':>5} {'context':>7} {'ms':>9} {'TFLOP/s':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r.impl:<12} {r.seqs:>4} {r.new_tokens:>5} {r.context:>7} {r.ms:>9.4f} "
+            f"{r.tflops:>8.1f}"
+        )
+    for seqs, new, context in PREFILL_CASES:
+        key = (seqs, new, context)
+        by_impl = {r.impl: r.ms for r in rows if (r.seqs, r.new_tokens, r.context) == key}
+        triton_ms, torch_ms = by_impl["triton"], by_impl["gather+sdpa"]
+        print(
+            f"{seqs} x {new} new, context {context}: triton is {torch_ms / triton_ms:.1f}x "
+            f"faster than gather+sdpa; x{PREFILL_LAYERS} layers: "
+            f"{triton_ms * PREFILL_LAYERS:.2f} ms against {torch_ms * PREFILL_LAYERS:.2f} ms"
+        )
+    return rows
+
+
+def prefill_sweep(device: torch.device, iters: int, flush: torch.Tensor) -> list[dict[str, Any]]:
+    """The prefill kernel over launch settings (its keyword overrides); failed launches skipped."""
+    results: list[dict[str, Any]] = []
+    for seqs, new, context in PREFILL_CASES:
+        p = make_prefill_problem(seqs, new, context, device)
+        flops = prefill_flops(seqs, new, context)
+        print(f"prefill sweep {seqs} x {new} new, context {context}", flush=True)
+        for rows, block_n, warps, stages in itertools.product(
+            (8, 16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)
+        ):
+            launch = dict(block_rows=rows, block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = time_ms(functools.partial(triton_prefill, p, **launch), iters, flush)
+            except Exception as exc:  # e.g. out of shared memory or registers for this tile
+                print(f"   {launch}: {type(exc).__name__}", flush=True)
+                continue
+            tflops = flops / (ms / 1e3) / 1e12
+            results.append(
+                dict(seqs=seqs, new_tokens=new, context=context)
+                | launch
+                | dict(ms=ms, tflops=tflops)
+            )
+        del p
+        best = sorted(
+            (r for r in results if (r["seqs"], r["new_tokens"]) == (seqs, new)),
+            key=lambda r: r["ms"],
+        )[:5]
+        for r in best:
+            print("  ", r, flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="32,256")
     parser.add_argument("--contexts", default="512,2048,8192")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's settings")
+    parser.add_argument(
+        "--decode", action=argparse.BooleanOptionalAction, default=True, help="decode cases"
+    )
+    parser.add_argument(
+        "--prefill", action=argparse.BooleanOptionalAction, default=True, help="prefill cases"
+    )
+    parser.add_argument(
+        "--prefill-sweep", action="store_true", help="also sweep the prefill kernel's settings"
+    )
+    parser.add_argument(
+        "--self-check",
+        action="store_true",
+        help="only check the prefill paths at tiny sizes (CPU: under Triton's interpreter)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
+    if args.self_check:
+        if not torch.cuda.is_available():
+            # Must precede the kernel module's import, whose decorators read it.
+            os.environ["TRITON_INTERPRET"] = "1"
+        self_check()
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device; none is available")
 
@@ -247,7 +533,7 @@ def main() -> None:
     )
 
     rows: list[Row] = []
-    for batch in map(int, args.batches.split(",")):
+    for batch in map(int, args.batches.split(",")) if args.decode else ():
         for context in map(int, args.contexts.split(",")):
             p = make_problem(batch, context, device)
             err = (triton_attention(p).float() - gather_sdpa_attention(p).float()).abs().max()
@@ -261,10 +547,11 @@ def main() -> None:
             del p
             torch.cuda.empty_cache()
 
-    print(
-        f"\n{'impl':<12} {'batch':>5} {'context':>7} {'splits':>6} {'ms':>9} {'KV GB/s':>8} "
-        f"{'of copy bw':>10}"
-    )
+    if rows:
+        print(
+            f"\n{'impl':<12} {'batch':>5} {'context':>7} {'splits':>6} {'ms':>9} {'KV GB/s':>8} "
+            f"{'of copy bw':>10}"
+        )
     for r in rows:
         splits = "" if r.num_splits is None else str(r.num_splits)
         print(
@@ -278,15 +565,20 @@ def main() -> None:
             f"{ms['gather+sdpa'] / ms['triton']:.1f}x faster than gather+sdpa"
         )
 
-    graph = graph_vs_eager(device, args.iters)
-    print(
-        f"\nbatch 32 context 2048, per call: eager {graph['eager_ms_per_call'] * 1e3:.1f} us, "
-        f"CUDA graph replay {graph['graph_ms_per_call'] * 1e3:.1f} us; host time per eager "
-        f"call {graph['host_us_per_call']:.1f} us ({graph['host_us_per_call_two_splits']:.1f} "
-        "us forced to two splits: a merge launch and scratch buffers more)"
-    )
+    graph = graph_vs_eager(device, args.iters) if args.decode else None
+    if graph is not None:
+        print(
+            f"\nbatch 32 context 2048, per call: eager {graph['eager_ms_per_call'] * 1e3:.1f} us, "
+            f"CUDA graph replay {graph['graph_ms_per_call'] * 1e3:.1f} us; host time per eager "
+            f"call {graph['host_us_per_call']:.1f} us ({graph['host_us_per_call_two_splits']:.1f} "
+            "us forced to two splits: a merge launch and scratch buffers more)"
+        )
 
+    prefill_rows = prefill_section(device, args.iters, flush) if args.prefill else None
     sweep_rows = sweep(device, max(5, args.iters // 2), flush) if args.sweep else None
+    prefill_sweep_rows = (
+        prefill_sweep(device, max(5, args.iters // 2), flush) if args.prefill_sweep else None
+    )
     if args.json:
         report = {
             "device": torch.cuda.get_device_name(device),
@@ -296,6 +588,8 @@ def main() -> None:
             "rows": [asdict(r) for r in rows],
             "graph_vs_eager": graph,
             "sweep": sweep_rows,
+            "prefill": None if prefill_rows is None else [asdict(r) for r in prefill_rows],
+            "prefill_sweep": prefill_sweep_rows,
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
