@@ -138,8 +138,9 @@ class EngineLoop:
         step = self.packer.pack(plan, slot, previous)
         if self.pack_delay_s:
             _busy_wait_until(schedule_start_ns + int(self.pack_delay_s * 1e9))
-        self.steps_socket.send(encode(step))
+        # Read before the send: once it is out, the worker may start before this thread runs.
         sent_ns = time.perf_counter_ns()
+        self.steps_socket.send(encode(step))
         self.in_flight.append(InFlight(plan, step, slot, schedule_start_ns, sent_ns))
         self._last_slot = slot
         self._next_slot = (slot + 1) % self.num_slots

@@ -24,10 +24,10 @@ def test_trace_records_every_step_in_causal_order(tmp_path: Path) -> None:
         assert s.device_end_ns <= s.done_recv_ns <= s.update_end_ns
         # Streaming to clients waits until the next step is sent.
         assert s.update_end_ns <= s.publish_start_ns <= s.publish_end_ns
-    # In the middle of the run the worker's queue is refilled first: step N+2 is sent before
-    # step N's tokens go out.
-    by_step = {s.step: s for s in steps}
-    middle = [s for s in steps[2:-4] if s.step + 2 in by_step]
-    assert middle and all(s.publish_start_ns >= by_step[s.step + 2].pack_end_ns for s in middle)
+    # In the middle of the run the worker's queue is refilled first: between receiving a
+    # step's results and streaming them, the next step is sent.
+    sent = sorted(s.pack_end_ns for s in steps)
+    for s in steps[2:-4]:
+        assert any(s.done_recv_ns <= t <= s.publish_start_ns for t in sent), f"step {s.step}"
     stats = busy_stats([s for s in steps if s.is_decode_only])
     assert 0 < stats.busy_fraction <= 1
