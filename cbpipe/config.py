@@ -67,6 +67,11 @@ class WorkerConfig:
         "decode attention: a Triton paged kernel, or plain torch (gather pages, then SDPA); "
         "auto is triton on CUDA when it imports, torch elsewhere",
     )
+    prefill_attention_backend: Literal["torch", "triton"] = _opt(
+        "torch",
+        "prefill rows: plain torch (gather pages, then SDPA) or a Triton varlen paged kernel "
+        "(CUDA; correct on the tests, not yet measured on a GPU, hence not the default)",
+    )
     cuda_graphs: bool = _opt(
         True,
         "replay decode steps from CUDA graphs captured at start-up, one per batch-size bucket "

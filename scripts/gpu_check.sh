@@ -111,11 +111,14 @@ if want micro; then
                 --context 4096 --steps 30 "$graphs" 2>&1 | grep -v '^USDT' | head -45
             echo "exit code ${PIPESTATUS[0]}"
         done
-        section "one mixed step, random:llama-1b: 200 decodes at context 512 + 2 prefills of 900"
-        timeout -k 10 120 "$PY" scripts/profile_step.py --model random:llama-1b --batch 200 \
-            --context 512 --steps 20 --prefill-len 900 --prefill-seqs 2 2>&1 \
-            | grep -v '^USDT' | head -45
-        echo "exit code ${PIPESTATUS[0]}"
+        for prefill in torch triton; do
+            section "one mixed step, random:llama-1b: 200 decodes at context 512 + 2 prefills" \
+                "of 900, prefill attention $prefill"
+            timeout -k 10 120 "$PY" scripts/profile_step.py --model random:llama-1b \
+                --batch 200 --context 512 --steps 20 --prefill-len 900 --prefill-seqs 2 \
+                --prefill-attention-backend "$prefill" 2>&1 | grep -v '^USDT' | head -45
+            echo "exit code ${PIPESTATUS[0]}"
+        done
     } 2>&1 | tee "$OUT/micro.log"
     rcs+=("micro=$(grep '^exit code' "$OUT/micro.log" | awk '{print $3}' | paste -sd/ -)")
 fi

@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    parser.add_argument("--prefill-attention-backend", choices=("torch", "triton"), default="torch")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-decode", action="store_true")
     parser.add_argument(
@@ -74,7 +75,9 @@ def main() -> None:
     kernel = attention.load_decode_kernel(args.attention_backend, device)
     graphs = args.cuda_graphs and kernel is not None
     started = time.perf_counter()
+    prefill_kernel = attention.load_prefill_kernel(args.prefill_attention_backend, device)
     runner = StepRunner(model, kv, layout, segment, device, decode_kernel=kernel,
+                        prefill_kernel=prefill_kernel,
                         graph_batch_sizes=[args.batch] if graphs else (),
                         compile_decode=args.compile_decode and graphs)  # fmt: skip
     print(f"runner ready in {time.perf_counter() - started:.1f} s (graphs: {len(runner.graphs)})")

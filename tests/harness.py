@@ -69,6 +69,14 @@ def _decode_kernel(backend: str, device: torch.device) -> attention.DecodeKernel
     return attention.load_decode_kernel(backend, device)
 
 
+def _prefill_kernel(backend: str, device: torch.device) -> attention.PrefillKernel | None:
+    if backend == "triton" and device.type == "cpu":
+        from cbpipe.worker.kernels.paged_prefill import paged_prefill_attention
+
+        return paged_prefill_attention
+    return attention.load_prefill_kernel(backend, device)
+
+
 @dataclass
 class InProcessEngine:
     model_name: str
@@ -83,6 +91,7 @@ class InProcessEngine:
     attention_backend: str = "auto"  # the worker's choice: the Triton kernel on CUDA
     cuda_graphs: bool = True  # on CUDA with the kernel; ignored elsewhere, as in the worker
     compile_decode: bool = False
+    prefill_backend: str = "torch"  # "triton": the varlen kernel (interpreted on the CPU)
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
@@ -109,6 +118,7 @@ class InProcessEngine:
             self.segment,
             self.device,
             decode_kernel=kernel,
+            prefill_kernel=_prefill_kernel(self.prefill_backend, self.device),
             graph_batch_sizes=bucket_sizes(self.max_num_seqs) if graphs else (),
             compile_decode=self.compile_decode,
         )

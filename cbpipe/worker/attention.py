@@ -48,6 +48,36 @@ class DecodeKernel(Protocol):
     ) -> torch.Tensor: ...
 
 
+class PrefillKernel(Protocol):
+    """The signature of ``kernels.paged_prefill.paged_prefill_attention``."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        *,
+        block_size: int,
+        scale: float,
+        max_query_len: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class PrefillRows:
+    """Sequences with several rows (prefill chunks), after the decode rows, for the kernel."""
+
+    query_start: torch.Tensor  # [P + 1] int32; starts at the number of decode rows
+    context_lens: torch.Tensor  # [P] int32
+    block_tables: torch.Tensor  # [P, width] int32
+    max_query_len: int
+    kernel: PrefillKernel
+
+
 @dataclass
 class KVCache:
     """Per-layer key and value tensors, ``[(num_blocks + 1) * block_size, kv_heads, head_dim]``.
@@ -98,6 +128,7 @@ class PagedStep:
     prefill_scatter: tuple[torch.Tensor, torch.Tensor] | None  # (seq, offset) of prefill rows
     num_decode_rows: int
     decode_kernel: DecodeKernel | None  # None: decode rows take the torch path too
+    prefill_rows: PrefillRows | None = None  # set: prefill rows take the Triton kernel
     # Decode rows only, through the ``cbpipe::decode_attention`` op: one opaque call per layer
     # that torch.compile leaves alone and CUDA graphs capture.
     decode_op: bool = False
@@ -118,6 +149,7 @@ class PagedStep:
         max_context_len: int,
         kv_group_size: int,
         decode_kernel: DecodeKernel | None,
+        prefill_kernel: PrefillKernel | None = None,
     ) -> PagedStep:
         """Build gather indices on the device; only host integers decide shapes (no sync).
 
@@ -126,7 +158,8 @@ class PagedStep:
         num_seqs, width = block_tables.shape
         n_dec = num_single_token_seqs
         device = positions.device
-        needs_gather = n_dec < num_seqs or decode_kernel is None
+        has_prefill = n_dec < num_seqs
+        needs_gather = (has_prefill and prefill_kernel is None) or decode_kernel is None
         key_pos = torch.arange(max_context_len, device=device)  # [max_k]
         if needs_gather:
             bs = kv_cache.block_size
@@ -144,8 +177,16 @@ class PagedStep:
             decode = DecodeRows(
                 context_lens[:n_dec], block_tables[:n_dec].reshape(-1), block_table_width, gathered
             )
-        prefill = scatter = None
-        if n_dec < num_seqs:
+        prefill = scatter = prefill_rows = None
+        if has_prefill and prefill_kernel is not None:
+            prefill_rows = PrefillRows(
+                query_start[n_dec : num_seqs + 1],
+                context_lens[n_dec:],
+                block_tables[n_dec:],
+                max_query_len,
+                prefill_kernel,
+            )
+        elif has_prefill:
             starts = query_start[n_dec:num_seqs].long()  # [P]
             lengths = query_start[n_dec + 1 : num_seqs + 1].long() - starts
             offsets = torch.arange(max_query_len, device=device)  # [max_q]
@@ -159,7 +200,9 @@ class PagedStep:
             row_ids = torch.arange(n_dec, num_rows, device=device)
             seq_of_row = torch.searchsorted(starts, row_ids, right=True) - 1
             scatter = (seq_of_row, row_ids - starts[seq_of_row])
-        return cls(kv_cache, slot_mapping, decode, prefill, scatter, n_dec, decode_kernel)
+        return cls(
+            kv_cache, slot_mapping, decode, prefill, scatter, n_dec, decode_kernel, prefill_rows
+        )
 
     @classmethod
     def decode_only(
@@ -259,7 +302,21 @@ def paged_attention_forward(
     if paged.decode is not None:
         n = paged.num_decode_rows
         _attend_decode(q[:n], k_cache, v_cache, paged, scaling, out[:n])
-    if paged.prefill is not None and paged.prefill_scatter is not None:
+    if paged.prefill_rows is not None:
+        rows = paged.prefill_rows
+        rows.kernel(
+            q,
+            k_cache,
+            v_cache,
+            rows.block_tables,
+            rows.query_start,
+            rows.context_lens,
+            block_size=paged.kv_cache.block_size,
+            scale=scaling,
+            max_query_len=rows.max_query_len,
+            out=out,  # the kernel writes the prefill rows only
+        )
+    elif paged.prefill is not None and paged.prefill_scatter is not None:
         padded = _attend(q, k_cache, v_cache, paged.prefill, scaling)  # [P, max_q, H, D]
         seq, offset = paged.prefill_scatter
         out[paged.num_decode_rows :] = padded[seq, offset]
@@ -337,6 +394,17 @@ def load_decode_kernel(backend: str, device: torch.device) -> DecodeKernel | Non
         log.warning("triton is not importable (%s); decode attention takes the torch path", exc)
         return None
     return paged_decode_attention
+
+
+def load_prefill_kernel(backend: str, device: torch.device) -> PrefillKernel | None:
+    """The Triton prefill kernel if ``backend`` asks for it on CUDA, else None (torch)."""
+    if backend == "torch":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"--prefill-attention-backend triton needs a CUDA device, not {device}")
+    from cbpipe.worker.kernels.paged_prefill import paged_prefill_attention
+
+    return paged_prefill_attention
 
 
 def register() -> str:

@@ -109,6 +109,9 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         segment.buf,
         device,
         decode_kernel=decode_kernel,
+        prefill_kernel=attention.load_prefill_kernel(
+            config.worker.prefill_attention_backend, device
+        ),
         graph_batch_sizes=graph_sizes,
         compile_decode=config.worker.compile_decode and bool(graph_sizes),
     )

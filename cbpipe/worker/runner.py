@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from cbpipe.protocol.messages import Step, StepDone
 from cbpipe.protocol.slots import HEADER_FIELDS, SlotLayout
-from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep
+from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep, PrefillKernel
 from cbpipe.worker.cuda_graphs import DecodeGraphs
 from cbpipe.worker.sampler import SamplingInputs, sample
 
@@ -116,6 +116,7 @@ class StepRunner:
         device: torch.device,
         *,
         decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: PrefillKernel | None = None,
         graph_batch_sizes: Sequence[int] = (),
         compile_decode: bool = False,
     ) -> None:
@@ -147,6 +148,7 @@ class StepRunner:
         self.d2h_done = [self._event() for _ in range(num_slots)]
         self.clock = DeviceClock(device) if self.cuda else None
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
         self._decode_model = torch.compile(model, dynamic=True) if compile_decode else model
         text_config = model.config.get_text_config()
@@ -287,6 +289,7 @@ class StepRunner:
             max_context_len=step.max_context_len,
             kv_group_size=self.kv_group_size,
             decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
         # Only each sequence's last row needs logits; a decode-only step needs them all.
         decode_only = step.num_single_token_seqs == s

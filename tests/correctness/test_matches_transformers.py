@@ -179,3 +179,23 @@ def test_decode_graph_bodies_with_the_triton_kernel_match_generate(compiled: boo
     graphs.find = counting_find  # type: ignore[method-assign]
     _check_against_reference(engine, EMBEDDED, prompts, params, eos=None, mode="random")
     assert sum(r is not None for r in found) >= 10, "too few decode steps replayed"
+
+
+@needs_embedded
+def test_triton_prefill_and_decode_kernels_match_generate() -> None:
+    """Both Triton kernels in the engine (under the interpreter on the CPU): prompts longer
+    than the token budget, so their chunks attend to earlier chunks in the cache, mixed with
+    decode rows in the same steps, in async, sync and a random mix."""
+    source = resolve_model(EMBEDDED)
+    rng = random.Random(9)
+    prompts = _prompts(rng, source.config.vocab_size, count=6, longest=90)
+    params = [SamplingParams(max_new_tokens=rng.randint(3, 10), ignore_eos=True) for _ in prompts]
+    engine = InProcessEngine(
+        EMBEDDED,
+        max_batch_tokens=40,
+        max_num_seqs=4,
+        attention_backend="triton",
+        prefill_backend="triton",
+    )
+    assert engine.runner.prefill_kernel is not None
+    _check_against_reference(engine, EMBEDDED, prompts, params, eos=None, mode="random")

@@ -60,11 +60,18 @@ def test_replaying_a_decode_graph_never_synchronises_the_host() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "graphs"),
-    [("triton", True), ("triton", False), ("torch", False)],
-    ids=["triton-graphs", "triton-eager", "torch-eager"],
+    ("backend", "graphs", "prefill"),
+    [
+        ("triton", True, "torch"),
+        ("triton", False, "torch"),
+        ("torch", False, "torch"),
+        ("triton", True, "triton"),
+    ],
+    ids=["triton-graphs", "triton-eager", "torch-eager", "triton-graphs-triton-prefill"],
 )
-def test_many_overlapping_steps_match_generate_on_cuda(backend: str, graphs: bool) -> None:
+def test_many_overlapping_steps_match_generate_on_cuda(
+    backend: str, graphs: bool, prefill: str
+) -> None:
     """Two steps really in flight on three streams, for hundreds of steps, with random
     switches between async and sync: greedy tokens equal transformers' ``generate`` on CUDA
     in float32. The embedded model is trained, so its top logits rarely tie (a random model's
@@ -84,6 +91,7 @@ def test_many_overlapping_steps_match_generate_on_cuda(backend: str, graphs: boo
         device=cuda,
         attention_backend=backend,
         cuda_graphs=graphs,
+        prefill_backend=prefill,
     )
     assert (len(engine.runner.graphs) > 0) == graphs
     try:
