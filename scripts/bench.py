@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from hf_baseline import BaselineResult, run_transformers  # scripts/, beside this file
+
 from cbpipe.client import Client, Job
 from cbpipe.engine_process import EngineProcess
 from cbpipe.roofline import DecodeBytes, copy_bandwidth, decode_bytes, floor_seconds
@@ -117,11 +119,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for all results")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="also run the workload through transformers' generate_batch and generate on the "
+        "same weights, in this process (fixed output length only)",
+    )
+    p.add_argument(
         "--trace-dir",
         type=Path,
         help="keep each mode's step trace here (trace_MODE.json; default: a temporary folder)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compare_transformers and args.random_output_len is not None:
+        p.error("--compare-transformers needs a fixed --output-len")
+    return args
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -379,7 +390,11 @@ def print_table(
 
 
 def write_json(
-    path: Path, args: argparse.Namespace, results: dict[str, ModeResult], num_same: int | None
+    path: Path,
+    args: argparse.Namespace,
+    results: dict[str, ModeResult],
+    num_same: int | None,
+    baselines: list[BaselineResult] | None = None,
 ) -> None:
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     report = {
@@ -387,6 +402,7 @@ def write_json(
         "modes": {m: asdict(r) for m, r in results.items()},
         "async_speedup": speedup(results),
         "same_tokens_in_both_modes": num_same,
+        "transformers": [asdict(b) for b in baselines or []],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -410,7 +426,41 @@ def main(argv: list[str] | None = None) -> int:
         if args.json is not None:  # after each mode, so a timeout keeps what was measured
             write_json(args.json, args, results, same_outputs(outputs))
     print_table(args, workload, results, same_outputs(outputs))
+    if args.compare_transformers:
+        baselines = compare_transformers(args, workload, outputs)
+        if args.json is not None:
+            write_json(args.json, args, results, same_outputs(outputs), baselines)
     return 1 if any(r.length_errors for r in results.values()) else 0
+
+
+def compare_transformers(
+    args: argparse.Namespace, workload: Workload, outputs: dict[str, list[list[int]]]
+) -> list[BaselineResult]:
+    engine_outputs = outputs.get("async") or outputs.get("sync")
+    prompts = workload.prompts(_vocab_size(args.model))
+    baselines = run_transformers(
+        args.model,
+        args.device or "auto",
+        args.dtype or "auto",
+        prompts,
+        workload.output_lens[0],
+        engine_outputs,
+    )
+    print("transformers on the same weights and prompts (greedy, full output length):")
+    for b in baselines:
+        if b.error is not None:
+            print(f"  {b.method:15} failed: {b.error}")
+            continue
+        same = "" if b.same_as_cbpipe is None else f", same tokens as cbpipe {b.same_as_cbpipe}"
+        print(f"  {b.method:15} {b.wall_s:9.2f} s {b.output_tok_s:10.1f} output tok/s{same}")
+    print(flush=True)
+    return baselines
+
+
+def _vocab_size(model: str) -> int:
+    from cbpipe.models import resolve_model
+
+    return int(resolve_model(model).config.get_text_config().vocab_size)
 
 
 if __name__ == "__main__":
