@@ -9,9 +9,10 @@ sequence at 512, 2048 or 8192 tokens; blocks are shuffled so pages are scattered
 running server. Two implementations:
 
 * ``triton``: ``paged_decode_attention`` with its default split count.
-* ``gather+sdpa``: the plain torch path of ``cbpipe.worker.attention._attend`` for decode rows:
-  gather each sequence's keys and values into ``[S, max_k, KVH, D]``, fold the query heads of
-  a KV head into query rows, and call SDPA (flash, efficient or math) with a boolean mask. The
+* ``gather+sdpa``: the engine's plain torch path for decode rows
+  (``cbpipe.worker.attention.attend_gathered`` with ``PagedStep.build``'s indices): gather
+  each sequence's keys and values into ``[S, max_k, KVH, D]``, fold the query heads of a KV
+  head into query rows, and call SDPA (flash, efficient or math) with a boolean mask. The
   gather index is built outside the timed region (the engine builds it once per step for all
   layers); the gather itself is timed.
 
@@ -30,7 +31,7 @@ after 512 cached ones (context 1024, chunked prefill); two of 1024 (context 1024
 implementations:
 
 * ``triton``: ``paged_prefill_attention`` (``kernels/paged_prefill.py``) with its defaults.
-* ``gather+sdpa``: ``cbpipe.worker.attention._attend`` for a prefill group plus the scatter
+* ``gather+sdpa``: ``cbpipe.worker.attention.attend_gathered`` for a prefill group plus the scatter
   back to packed rows: gather the query rows to ``[P, max_q]`` and the keys and values to
   ``[P, max_k]``, fold the query heads of a KV head into query rows, SDPA (flash, efficient
   or math) with the boolean mask ``[P, 1, G * max_q, max_k]``. The indices and the mask are
@@ -56,15 +57,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if TYPE_CHECKING:
+    from cbpipe.worker.attention import AttentionGroup
+
+# cbpipe.worker.attention imports transformers, which imports triton: it is imported where
+# used, after --self-check may have set TRITON_INTERPRET (triton reads it when imported).
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _SPIN_CYCLES = 2_000_000  # about 1 ms at H200 clocks: longer than any launch overhead
 # Prefill shapes: Llama-3.2-1B's attention, 16 layers.
 PREFILL_HEADS, PREFILL_KV_HEADS, PREFILL_HEAD_DIM, PREFILL_LAYERS = 32, 8, 64, 16
@@ -82,8 +86,7 @@ class Problem:
     block_tables: torch.Tensor  # flat int32
     width: torch.Tensor  # one int64 element
     context_lens: torch.Tensor  # [S] int32
-    kv_index: torch.Tensor  # [S, max_k] int64, for the torch path
-    key_valid: torch.Tensor  # [S, 1, 1, max_k] bool
+    gathered: AttentionGroup  # the torch path's indices and mask, from PagedStep.build
 
     @property
     def scale(self) -> float:
@@ -102,6 +105,8 @@ class Row:
 
 
 def make_problem(batch: int, context: int, device: torch.device) -> Problem:
+    from cbpipe.worker.attention import KVCache, PagedStep
+
     width = -(-context // BLOCK_SIZE)
     num_blocks = batch * width
     slots = num_blocks * BLOCK_SIZE
@@ -111,12 +116,23 @@ def make_problem(batch: int, context: int, device: torch.device) -> Problem:
     header = torch.tensor([0, width], dtype=torch.int64, device=device)
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-    key_pos = torch.arange(context, device=device)
-    table_2d = tables.view(batch, width).long()
-    kv_index = table_2d[:, key_pos // BLOCK_SIZE] * BLOCK_SIZE + key_pos % BLOCK_SIZE
-    key_valid = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
+    paged = PagedStep.build(
+        KVCache([key_cache], [value_cache], BLOCK_SIZE, num_blocks),
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),  # not written here
+        positions=(context_lens - 1).long(),
+        query_start=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        context_lens=context_lens,
+        block_tables=tables.view(batch, width),
+        block_table_width=header[1:],
+        num_single_token_seqs=batch,
+        max_query_len=1,
+        max_context_len=context,
+        kv_group_size=NUM_HEADS // NUM_KV_HEADS,
+        decode_kernel=None,
+    )
+    assert paged.decode is not None and paged.decode.gathered is not None
     return Problem(
-        query, key_cache, value_cache, tables, header[1:], context_lens, kv_index, key_valid
+        query, key_cache, value_cache, tables, header[1:], context_lens, paged.decode.gathered
     )
 
 
@@ -137,15 +153,10 @@ def triton_attention(p: Problem, num_splits: int | None = None) -> torch.Tensor:
 
 
 def gather_sdpa_attention(p: Problem) -> torch.Tensor:
-    """The decode branch of ``cbpipe.worker.attention._attend`` (one query row per sequence)."""
-    num_seqs = p.query.shape[0]
-    group = NUM_HEADS // NUM_KV_HEADS
-    q = p.query.view(num_seqs, NUM_KV_HEADS, group, HEAD_DIM)  # rows: the group's heads
-    k = p.key_cache[p.kv_index].transpose(1, 2)  # [S, KVH, max_k, D]
-    v = p.value_cache[p.kv_index].transpose(1, 2)
-    with sdpa_kernel(_BACKENDS):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.key_valid, scale=p.scale)
-    return out.reshape(num_seqs, NUM_HEADS, HEAD_DIM)
+    """The engine's torch path for decode rows (``attend_gathered``)."""
+    from cbpipe.worker.attention import attend_gathered
+
+    return attend_gathered(p.query, p.key_cache, p.value_cache, p.gathered, p.scale)[:, 0]
 
 
 def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor, spin: bool = True) -> float:
@@ -259,12 +270,9 @@ class PrefillProblem:
     query_start: torch.Tensor  # [S + 1] int32
     context_lens: torch.Tensor  # [S] int32
     max_query_len: int
-    # The torch path's per-step metadata, as PagedStep.build makes it.
-    row_index: torch.Tensor  # [S, max_q]
-    kv_index: torch.Tensor  # [S, max_k]
-    mask: torch.Tensor  # [S, 1, G * max_q, max_k] bool
-    scatter_seq: torch.Tensor  # [rows]
-    scatter_offset: torch.Tensor  # [rows]
+    # The torch path's per-step metadata, from PagedStep.build.
+    gathered: AttentionGroup
+    scatter: tuple[torch.Tensor, torch.Tensor]  # (sequence, offset) of each packed row
 
     @property
     def scale(self) -> float:
@@ -284,6 +292,8 @@ class PrefillRow:
 def make_prefill_problem(
     num_seqs: int, new: int, context: int, device: torch.device, dtype: torch.dtype = DTYPE
 ) -> PrefillProblem:
+    from cbpipe.worker.attention import KVCache, PagedStep
+
     width = -(-context // BLOCK_SIZE)
     num_blocks = num_seqs * width
     shape = (num_blocks * BLOCK_SIZE, PREFILL_KV_HEADS, PREFILL_HEAD_DIM)
@@ -297,18 +307,21 @@ def make_prefill_problem(
     # Each sequence's new rows are its last positions.
     positions = (context - new + torch.arange(num_rows, device=device) % new).long()
 
-    # As in PagedStep.build's prefill branch.
-    group = PREFILL_HEADS // PREFILL_KV_HEADS
-    key_pos = torch.arange(context, device=device)
-    kv_index = tables[:, key_pos // BLOCK_SIZE].long() * BLOCK_SIZE + key_pos % BLOCK_SIZE
-    starts = query_start[:num_seqs].long()
-    lengths = query_start[1:].long() - starts
-    offsets = torch.arange(new, device=device)
-    rows = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
-    mask = key_pos[None, None, :] <= positions[rows][:, :, None]
-    mask = mask[:, None].repeat(1, 1, group, 1)
-    row_ids = torch.arange(num_rows, device=device)
-    seq_of_row = torch.searchsorted(starts, row_ids, right=True) - 1
+    paged = PagedStep.build(
+        KVCache([key_cache], [value_cache], BLOCK_SIZE, num_blocks),
+        slot_mapping=torch.zeros(num_rows, dtype=torch.int64, device=device),  # not written
+        positions=positions,
+        query_start=query_start,
+        context_lens=context_lens,
+        block_tables=tables,
+        block_table_width=torch.tensor([width], device=device),
+        num_single_token_seqs=0,
+        max_query_len=new,
+        max_context_len=context,
+        kv_group_size=PREFILL_HEADS // PREFILL_KV_HEADS,
+        decode_kernel=None,
+    )
+    assert paged.prefill is not None and paged.prefill_scatter is not None
     return PrefillProblem(
         query,
         key_cache,
@@ -317,11 +330,8 @@ def make_prefill_problem(
         query_start,
         context_lens,
         new,
-        rows,
-        kv_index,
-        mask,
-        seq_of_row,
-        row_ids - starts[seq_of_row],
+        paged.prefill,
+        paged.prefill_scatter,
     )
 
 
@@ -352,19 +362,12 @@ def triton_prefill(
 
 
 def gather_sdpa_prefill(p: PrefillProblem) -> torch.Tensor:
-    """``cbpipe.worker.attention._attend`` on the prefill group, then the scatter to rows."""
-    num_seqs, max_q = p.row_index.shape
-    group = PREFILL_HEADS // PREFILL_KV_HEADS
-    q = p.query[p.row_index]  # [S, max_q, H, D]
-    q = q.view(num_seqs, max_q, PREFILL_KV_HEADS, group, PREFILL_HEAD_DIM).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_seqs, PREFILL_KV_HEADS, group * max_q, PREFILL_HEAD_DIM)
-    k = p.key_cache[p.kv_index].transpose(1, 2).to(q.dtype)  # [S, KVH, max_k, D]
-    v = p.value_cache[p.kv_index].transpose(1, 2).to(q.dtype)
-    with sdpa_kernel(_BACKENDS):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=p.scale)
-    out = out.view(num_seqs, PREFILL_KV_HEADS, group, max_q, PREFILL_HEAD_DIM)
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, PREFILL_HEADS, PREFILL_HEAD_DIM)
-    return out[p.scatter_seq, p.scatter_offset]
+    """The engine's torch path for prefill rows: ``attend_gathered``, then the scatter."""
+    from cbpipe.worker.attention import attend_gathered
+
+    padded = attend_gathered(p.query, p.key_cache, p.value_cache, p.gathered, p.scale)
+    seq, offset = p.scatter
+    return padded[seq, offset]
 
 
 def prefill_flops(seqs: int, new: int, context: int) -> int:

@@ -103,7 +103,7 @@ class AttentionGroup:
     row_index: torch.Tensor  # [num_seqs, max_q] rows of the packed step (repeats pad short seqs)
     kv_index: torch.Tensor  # [num_seqs, max_k] flat cache index of each key position
     # [num_seqs, 1, group_size * max_q, max_k], True where the row may attend the key; query
-    # rows are ordered (query head within its KV group, row), see ``_attend``.
+    # rows are ordered (query head within its KV group, row), see ``attend_gathered``.
     mask: torch.Tensor
 
 
@@ -114,7 +114,8 @@ class DecodeRows:
     context_lens: torch.Tensor  # [num_rows] int32; 0 on padding rows, which attend nothing
     block_tables: torch.Tensor  # flat int32; row s's block ids at [s * width, (s + 1) * width)
     block_table_width: torch.Tensor  # [1] int64 on the device: the slot header's copy
-    gathered: AttentionGroup | None  # the torch path's indices; None when the kernel runs
+    kernel: DecodeKernel | None  # None: the torch path, through ``gathered``
+    gathered: AttentionGroup | None
 
 
 @dataclass
@@ -127,7 +128,6 @@ class PagedStep:
     prefill: AttentionGroup | None  # seqs with several rows, after the decode rows
     prefill_scatter: tuple[torch.Tensor, torch.Tensor] | None  # (seq, offset) of prefill rows
     num_decode_rows: int
-    decode_kernel: DecodeKernel | None  # None: decode rows take the torch path too
     prefill_rows: PrefillRows | None = None  # set: prefill rows take the Triton kernel
     # Decode rows only, through the ``cbpipe::decode_attention`` op: one opaque call per layer
     # that torch.compile leaves alone and CUDA graphs capture.
@@ -155,13 +155,13 @@ class PagedStep:
 
         ``block_tables`` is ``[num_seqs, width]``; ``block_table_width`` its width on the device.
         """
-        num_seqs, width = block_tables.shape
+        num_seqs = block_tables.shape[0]
         n_dec = num_single_token_seqs
         device = positions.device
         has_prefill = n_dec < num_seqs
-        needs_gather = (has_prefill and prefill_kernel is None) or decode_kernel is None
-        key_pos = torch.arange(max_context_len, device=device)  # [max_k]
-        if needs_gather:
+        # Only the torch path gathers; the kernels read the block tables themselves.
+        if (has_prefill and prefill_kernel is None) or (n_dec and decode_kernel is None):
+            key_pos = torch.arange(max_context_len, device=device)  # [max_k]
             bs = kv_cache.block_size
             # Key position l of seq s lives at block_tables[s, l // bs] * bs + l % bs.
             kv_index = block_tables[:, key_pos // bs].long() * bs + key_pos % bs  # [S, max_k]
@@ -175,7 +175,11 @@ class PagedStep:
                 mask = valid[:, None, None, :].expand(-1, -1, kv_group_size, -1).contiguous()
                 gathered = AttentionGroup(rows, kv_index[:n_dec], mask)
             decode = DecodeRows(
-                context_lens[:n_dec], block_tables[:n_dec].reshape(-1), block_table_width, gathered
+                context_lens[:n_dec],
+                block_tables[:n_dec].reshape(-1),
+                block_table_width,
+                decode_kernel,
+                gathered,
             )
         prefill = scatter = prefill_rows = None
         if has_prefill and prefill_kernel is not None:
@@ -200,9 +204,7 @@ class PagedStep:
             row_ids = torch.arange(n_dec, num_rows, device=device)
             seq_of_row = torch.searchsorted(starts, row_ids, right=True) - 1
             scatter = (seq_of_row, row_ids - starts[seq_of_row])
-        return cls(
-            kv_cache, slot_mapping, decode, prefill, scatter, n_dec, decode_kernel, prefill_rows
-        )
+        return cls(kv_cache, slot_mapping, decode, prefill, scatter, n_dec, prefill_rows)
 
     @classmethod
     def decode_only(
@@ -219,9 +221,8 @@ class PagedStep:
         ``block_tables`` is flat and its row width lives on the device only, so one graph
         serves every width. Attention goes through the Triton kernel (``decode_attention``).
         """
-        decode = DecodeRows(context_lens, block_tables, block_table_width, None)
-        n = len(slot_mapping)
-        return cls(kv_cache, slot_mapping, decode, None, None, n, None, decode_op=True)
+        decode = DecodeRows(context_lens, block_tables, block_table_width, None, None)
+        return cls(kv_cache, slot_mapping, decode, None, None, len(slot_mapping), decode_op=True)
 
 
 @torch.library.custom_op("cbpipe::decode_attention", mutates_args=("key_cache", "value_cache"))
@@ -244,7 +245,7 @@ def decode_attention(
     key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
     return paged_decode_attention(
-        query.contiguous(),
+        query,
         key_cache,
         value_cache,
         block_tables,
@@ -317,7 +318,7 @@ def paged_attention_forward(
             out=out,  # the kernel writes the prefill rows only
         )
     elif paged.prefill is not None and paged.prefill_scatter is not None:
-        padded = _attend(q, k_cache, v_cache, paged.prefill, scaling)  # [P, max_q, H, D]
+        padded = attend_gathered(q, k_cache, v_cache, paged.prefill, scaling)  # [P, max_q, H, D]
         seq, offset = paged.prefill_scatter
         out[paged.num_decode_rows :] = padded[seq, offset]
     return out[None], None  # [1, num_tokens, heads, head_dim]
@@ -333,9 +334,9 @@ def _attend_decode(
 ) -> None:
     decode = paged.decode
     assert decode is not None
-    if paged.decode_kernel is not None:
-        paged.decode_kernel(
-            q.contiguous(),
+    if decode.kernel is not None:
+        decode.kernel(
+            q,
             k_cache,
             v_cache,
             decode.block_tables,
@@ -347,17 +348,17 @@ def _attend_decode(
         )
     else:
         assert decode.gathered is not None
-        out.copy_(_attend(q, k_cache, v_cache, decode.gathered, scaling)[:, 0])
+        out.copy_(attend_gathered(q, k_cache, v_cache, decode.gathered, scaling)[:, 0])
 
 
-def _attend(
+def attend_gathered(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     group: AttentionGroup,
     scaling: float,
 ) -> torch.Tensor:
-    """Attention for one group; returns ``[num_seqs, max_q, heads, head_dim]``.
+    """The torch path: attention for one group; returns ``[num_seqs, max_q, heads, head_dim]``.
 
     Grouped-query attention is folded into the query length: the ``G`` query heads that share
     a KV head become ``G`` times as many query rows of that head, so no backend has to

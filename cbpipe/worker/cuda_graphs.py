@@ -16,6 +16,7 @@ its fixed sizes and called again at every replay, so the padding logic runs in C
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -78,25 +79,17 @@ class DecodeGraphs:
         (``num_seqs`` 0), so every row is padding and no cache block is touched.
         """
         self.batch_sizes = sorted(batch_sizes)
-        if stream is None:
-            for batch in self.batch_sizes:
-                for all_greedy in (True, False):
-                    for index, slot in enumerate(slots):
-                        bound = functools.partial(body, slot, batch, all_greedy)
-                        self._graphs[batch, index, all_greedy] = _BoundBody(bound)
-            return
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if stream is not None else None
         for batch in reversed(self.batch_sizes):
             for all_greedy in (True, False):
                 for index, slot in enumerate(slots):
-                    with torch.cuda.stream(stream):
-                        body(slot, batch, all_greedy)
-                    stream.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        body(slot, batch, all_greedy)
-                    self._graphs[batch, index, all_greedy] = graph
-        torch.cuda.synchronize()
+                    bound = functools.partial(body, slot, batch, all_greedy)
+                    if stream is None:
+                        self._graphs[batch, index, all_greedy] = _BoundBody(bound)
+                    else:
+                        self._graphs[batch, index, all_greedy] = _capture(bound, stream, pool)
+        if stream is not None:
+            torch.cuda.synchronize()
 
     def find(self, step: Step) -> Replayable | None:
         """The graph that runs ``step``, or None if it must run eagerly."""
@@ -104,7 +97,17 @@ class DecodeGraphs:
             return None
         if step.needs_top_k_top_p:
             return None
-        batch = next((b for b in self.batch_sizes if b >= step.num_seqs), None)
-        if batch is None:
+        index = bisect.bisect_left(self.batch_sizes, step.num_seqs)  # the smallest that fits
+        if index == len(self.batch_sizes):
             return None
-        return self._graphs[batch, step.slot, step.all_greedy]
+        return self._graphs[self.batch_sizes[index], step.slot, step.all_greedy]
+
+
+def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) -> Replayable:
+    with torch.cuda.stream(stream):
+        body()  # lazy initialisation happens here, outside the graph
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        body()
+    return graph

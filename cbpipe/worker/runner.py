@@ -151,9 +151,8 @@ class StepRunner:
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
         self._decode_model = torch.compile(model, dynamic=True) if compile_decode else model
-        text_config = model.config.get_text_config()
-        heads = text_config.num_attention_heads
-        self.kv_group_size = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
+        heads = model.config.get_text_config().num_attention_heads
+        self.kv_group_size = heads // kv_cache.keys[0].shape[1]  # query heads per KV head
         max_seqs = layout.limits.max_seqs
         # The sampled ids of the step launched last; the next step's carry-over reads them,
         # ordered after the write by the compute stream.
@@ -167,10 +166,15 @@ class StepRunner:
             self._capture_graphs(graph_batch_sizes)
 
     def _capture_graphs(self, batch_sizes: Sequence[int]) -> None:
+        if max(batch_sizes) > self.layout.limits.max_seqs:
+            raise ValueError(
+                f"graph batch sizes {list(batch_sizes)} exceed the slots' "
+                f"{self.layout.limits.max_seqs} sequences"
+            )
         started = time.perf_counter()
         self.graphs.capture(
             self._decode_graph_body,
-            batch_sizes=[b for b in batch_sizes if b <= self.layout.limits.max_seqs],
+            batch_sizes=batch_sizes,
             slots=self.slots,
             stream=self.compute_stream,
         )
@@ -294,7 +298,7 @@ class StepRunner:
         # Only each sequence's last row needs logits; a decode-only step needs them all.
         decode_only = step.num_single_token_seqs == s
         logits_rows = 0 if decode_only else query_start[1:].long() - 1
-        logits = self._forward(input_ids, positions, paged, logits_rows)  # [num_seqs, vocab]
+        logits = self._forward(self.model, input_ids, positions, paged, logits_rows)
         self._sample(slot, logits, s, step.all_greedy, step.needs_top_k_top_p)
 
     @torch.inference_mode()
@@ -319,12 +323,8 @@ class StepRunner:
             block_tables=inputs["block_tables"],
             block_table_width=inputs["header"][_WIDTH : _WIDTH + 1],
         )
-        logits = self._decode_model(
-            input_ids=input_ids[None],
-            position_ids=inputs["positions"][:batch][None],
-            use_cache=False,
-            paged=paged,
-        ).logits[0]
+        positions = inputs["positions"][:batch]
+        logits = self._forward(self._decode_model, input_ids, positions, paged, logits_rows=0)
         self._sample(slot, logits, batch, all_greedy, needs_top_k_top_p=False)
 
     def _carry_over(
@@ -337,14 +337,15 @@ class StepRunner:
         carried = self.last_sampled[inputs["carry_src"][:num_rows].long()]
         return torch.where(carry, carried, inputs["input_ids"][:num_rows])
 
+    @staticmethod
     def _forward(
-        self,
+        model: torch.nn.Module,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         paged: PagedStep,
         logits_rows: torch.Tensor | int,
     ) -> torch.Tensor:
-        return self.model(
+        return model(
             input_ids=input_ids[None],
             position_ids=positions[None],
             logits_to_keep=logits_rows,

@@ -13,21 +13,15 @@ in place. Run them with ``pytest tests/unit/test_paged_decode_kernel.py -m gpu``
 
 from __future__ import annotations
 
-import importlib
-import json
-import os
-import subprocess
-import sys
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_RESULT_PREFIX = "PAGED_DECODE_RESULTS "
+from tests.unit.triton_interpreter import emit, require_triton, run_interpreted
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Worst absolute error allowed against the float32 reference (outputs are O(1)). 16-bit
 # inputs round the probabilities and the output to 8 (bf16) or 11 (fp16) mantissa bits.
@@ -168,7 +162,6 @@ def assert_result(case: Case, result: dict[str, object]) -> None:
 
 def _interpreter_main() -> None:
     """Subprocess entry: every CPU case under the interpreter, one JSON line on stdout."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     from cbpipe.worker.kernels.paged_decode import num_splits_for
 
     results: dict[str, object] = {}
@@ -178,35 +171,16 @@ def _interpreter_main() -> None:
         except Exception:
             results[case.name] = {"error": traceback.format_exc()}
     results["num_splits_for"] = [num_splits_for(pairs, sms) for pairs, sms, _ in SPLIT_HEURISTIC]
-    print(_RESULT_PREFIX + json.dumps(results), flush=True)
+    emit(results)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.unit.test_paged_decode_kernel"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(
-            f"the interpreter subprocess failed (exit {proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1][len(_RESULT_PREFIX) :])
+    return run_interpreted("tests.unit.test_paged_decode_kernel")
 
 
 def test_triton_is_importable() -> None:
-    try:
-        importlib.import_module("triton")
-    except ImportError as exc:
-        pytest.fail(f"triton is not importable ({exc}); it is a dev dependency: pip install triton")
+    require_triton()
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)

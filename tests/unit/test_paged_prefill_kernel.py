@@ -14,21 +14,15 @@ chunk starts, context lengths and tables in place. Run them with
 
 from __future__ import annotations
 
-import importlib
-import json
-import os
-import subprocess
-import sys
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_RESULT_PREFIX = "PAGED_PREFILL_RESULTS "
+from tests.unit.triton_interpreter import emit, require_triton, run_interpreted
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Error allowed against the float32 reference: |got - want| <= atol + rtol * |want|. 16-bit
 # outputs are rounded to 8 (bf16) or 11 (fp16) mantissa bits, one unit of which is rtol; the
@@ -313,7 +307,6 @@ def _rejected_inputs() -> dict[str, bool]:
 
 def _interpreter_main() -> None:
     """Subprocess entry: every CPU case under the interpreter, one JSON line on stdout."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     from cbpipe.worker.kernels.paged_prefill import launch_config
 
     results: dict[str, object] = {}
@@ -324,39 +317,16 @@ def _interpreter_main() -> None:
             results[case.name] = {"error": traceback.format_exc()}
     results["launch_config"] = [launch_config(*args) for args, _ in LAUNCH_DEFAULTS]
     results["rejected"] = _rejected_inputs()
-    print(_RESULT_PREFIX + json.dumps(results), flush=True)
+    emit(results)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, Any]:
-    try:
-        importlib.import_module("triton")
-    except ImportError as exc:
-        pytest.fail(f"triton is not importable ({exc}); it is a dev dependency: pip install triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.unit.test_paged_prefill_kernel"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(
-            f"the interpreter subprocess failed (exit {proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1][len(_RESULT_PREFIX) :])
+    return run_interpreted("tests.unit.test_paged_prefill_kernel")
 
 
 def test_triton_is_importable() -> None:
-    try:
-        importlib.import_module("triton")
-    except ImportError as exc:
-        pytest.fail(f"triton is not importable ({exc}); it is a dev dependency: pip install triton")
+    require_triton()
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)

@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
+
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 _MAX_SPLITS = 64
@@ -348,19 +350,11 @@ def paged_decode_attention(
     Returns:
         ``out`` (allocated if not given).
     """
-    if query.dim() != 3 or key_cache.dim() != 3 or key_cache.shape[2] != query.shape[2]:
-        raise ValueError(f"query {tuple(query.shape)} and key_cache {tuple(key_cache.shape)}")
+    check_query_and_caches(
+        query, key_cache, value_cache, (block_tables, block_table_width, context_lens)
+    )
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    tensors = (key_cache, value_cache, block_tables, block_table_width, context_lens)
-    if any(t.device != query.device for t in tensors):
-        raise ValueError("all tensors must be on the query's device")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache {value_cache.shape} differs from key_cache")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if key_cache.stride(2) != 1 or value_cache.stride(2) != 1:
-        raise ValueError("the caches' head_dim must be contiguous")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 1:
         raise ValueError("block_tables must be a flat int32 tensor")
     if block_tables.stride(0) != 1:
@@ -369,10 +363,7 @@ def paged_decode_attention(
         raise ValueError("block_table_width must hold exactly one element")
     if context_lens.shape != (num_seqs,):
         raise ValueError(f"context_lens {tuple(context_lens.shape)} != ({num_seqs},)")
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-        raise ValueError("out must match the query's shape and dtype, head_dim contiguous")
+    out = output_for(query, out)
     if query.stride(2) != 1:
         query = query.contiguous()
     if num_splits is None:

@@ -8,7 +8,7 @@ sequence's last ``q_len`` positions: row ``j`` sits at ``p = context_len - q_len
 attends causally to keys ``0 .. p`` of its own sequence (chunked prefill: earlier chunks'
 keys come from the cache).
 
-Why: the torch path (``PagedStep.build`` + ``_attend``) builds a dense boolean mask
+Why: the torch path (``PagedStep.build`` + ``attend_gathered``) builds a dense boolean mask
 ``[P, 1, G * max_q, max_k]`` once per step, and in every layer copies every key and value of
 every prefill sequence into ``[P, max_k]`` tensors, pads the query rows to ``[P, max_q]``
 and calls SDPA with that mask. With an explicit mask SDPA cannot use its flash kernel; the
@@ -59,6 +59,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -430,19 +432,9 @@ def paged_prefill_attention(
     Returns:
         ``out`` (allocated if not given).
     """
-    if query.dim() != 3 or key_cache.dim() != 3 or key_cache.shape[2] != query.shape[2]:
-        raise ValueError(f"query {tuple(query.shape)} and key_cache {tuple(key_cache.shape)}")
+    check_query_and_caches(query, key_cache, value_cache, (block_tables, query_start, context_lens))
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[1]
-    tensors = (key_cache, value_cache, block_tables, query_start, context_lens)
-    if any(t.device != query.device for t in tensors):
-        raise ValueError("all tensors must be on the query's device")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache {value_cache.shape} differs from key_cache")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if key_cache.stride(2) != 1 or value_cache.stride(2) != 1:
-        raise ValueError("the caches' head_dim must be contiguous")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError("block_tables must be a 2-D int32 tensor")
     if block_tables.stride(1) != 1:
@@ -452,10 +444,7 @@ def paged_prefill_attention(
         raise ValueError(f"query_start {tuple(query_start.shape)} != ({num_seqs + 1},), integer")
     if context_lens.shape != (num_seqs,) or context_lens.is_floating_point():
         raise ValueError(f"context_lens {tuple(context_lens.shape)} != ({num_seqs},), integer")
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-        raise ValueError("out must match the query's shape and dtype, head_dim contiguous")
+    out = output_for(query, out)
     if query.stride(2) != 1:
         query = query.contiguous()
     if num_seqs == 0 or max_query_len <= 0 or query.shape[0] == 0:

@@ -1,0 +1,57 @@
+"""Run a kernel test module's CPU cases under Triton's interpreter, in a subprocess.
+
+``TRITON_INTERPRET=1`` only takes effect if it is set before a kernel module's ``@triton.jit``
+decorators run, which a test module cannot guarantee (another test may have imported the
+kernel already), so the cases run in a fresh interpreter: ``python -m`` on the test module,
+whose ``__main__`` computes every case and ends with ``emit(results)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_RESULT_PREFIX = "TRITON_INTERPRETER_RESULTS "
+
+
+def require_triton() -> None:
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        pytest.fail(f"triton is not importable ({exc}); it is a dev dependency: pip install triton")
+
+
+def run_interpreted(module: str) -> dict[str, Any]:
+    """The results ``module``'s ``__main__`` emitted under the interpreter."""
+    require_triton()
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", module],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(
+            f"the interpreter subprocess failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1][len(_RESULT_PREFIX) :])
+
+
+def emit(results: dict[str, object]) -> None:
+    """In the subprocess: hand the results back as one line on stdout."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(_RESULT_PREFIX + json.dumps(results), flush=True)
