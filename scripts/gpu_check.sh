@@ -2,7 +2,7 @@
 # The one script every GPU session runs, from the repository root on the device machine.
 # Parts (PARTS, a comma list, in this order):
 #   tests    pytest tests/gpu and the kernel tests on the GPU                   (~4 min)
-#   micro    scripts/bench_attention.py, one decode step of random:llama-8b at batch 32
+#   micro    scripts/bench_attention.py, scripts/bench_matmul.py, one decode step of random:llama-8b at batch 32
 #            (context 4096) eager vs CUDA graph against its bandwidth floor, and one mixed
 #            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
@@ -104,6 +104,9 @@ if want micro; then
     {
         section "attention kernels"
         timeout -k 10 120 "$PY" scripts/bench_attention.py --json "$OUT/attention.json"
+        echo "exit code $?"
+        section "matrix products alone, random:llama-8b"
+        timeout -k 10 120 "$PY" scripts/bench_matmul.py --model random:llama-8b --batch 32 256
         echo "exit code $?"
         for graphs in --no-cuda-graphs --cuda-graphs; do
             section "one decode step, random:llama-8b x32, context 4096, $graphs"
