@@ -94,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     config = resolve_model(args.model).config
     bandwidth = copy_bandwidth(torch.device("cuda"))
     shapes = projection_shapes(config)
-    print(f"{args.model}, bf16, {torch.cuda.get_device_name()}, copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s, torch {torch.__version__}")
+    print(
+        f"{args.model}, bf16, {torch.cuda.get_device_name()}, copy bandwidth "
+        f"{bandwidth / 1e9:.0f} GB/s, torch {torch.__version__}"
+    )
     results = []
     for rows in args.batch:
         print(f"\nbatch {rows}")
@@ -106,23 +108,36 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = shape[0] * shape[1] * dtype.itemsize
             times[name] = seconds
             rate = nbytes / seconds
-            print(f"{name:>8} {shape[0]:>6} x {shape[1]:<6} {nbytes / 2**20:>7.1f} "
-                  f"{seconds * 1e6:>8.1f} {rate / 1e9:>7.0f} {rate / bandwidth:>7.2f}")
-            results.append({"batch": rows, "product": name, "shape": shape, "seconds": seconds,
-                            "bytes": nbytes, "bytes_per_second": rate})
+            print(
+                f"{name:>8} {shape[0]:>6} x {shape[1]:<6} {nbytes / 2**20:>7.1f} "
+                f"{seconds * 1e6:>8.1f} {rate / 1e9:>7.0f} {rate / bandwidth:>7.2f}"
+            )
+            results.append(
+                {
+                    "batch": rows,
+                    "product": name,
+                    "shape": shape,
+                    "seconds": seconds,
+                    "bytes": nbytes,
+                    "bytes_per_second": rate,
+                }
+            )
         layers = config.get_text_config().num_hidden_layers
         separate = sum(times[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
         fused = sum(times[n] for n in ("qkv", "o", "gate_up", "down"))
         layer_bytes = sum(shapes[n][0] * shapes[n][1] for n in ("qkv", "o", "gate_up", "down"))
         floor = layer_bytes * dtype.itemsize / bandwidth
-        print(f"one layer: separate {separate * 1e6:.1f} us, fused {fused * 1e6:.1f} us, "
-              f"at the copy rate {floor * 1e6:.1f} us; x{layers} layers + head: separate "
-              f"{(separate * layers + times['lm_head']) * 1e3:.2f} ms, fused "
-              f"{(fused * layers + times['lm_head']) * 1e3:.2f} ms")
+        print(
+            f"one layer: separate {separate * 1e6:.1f} us, fused {fused * 1e6:.1f} us, "
+            f"at the copy rate {floor * 1e6:.1f} us; x{layers} layers + head: separate "
+            f"{(separate * layers + times['lm_head']) * 1e3:.2f} ms, fused "
+            f"{(fused * layers + times['lm_head']) * 1e3:.2f} ms"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "copy_bandwidth": bandwidth, "results": results},
-                      f, indent=1)
+            json.dump(
+                {"model": args.model, "copy_bandwidth": bandwidth, "results": results}, f, indent=1
+            )
     return 0
 
 
