@@ -67,10 +67,15 @@ class WorkerConfig:
         "decode attention: a Triton paged kernel, or plain torch (gather pages, then SDPA); "
         "auto is triton on CUDA when it imports, torch elsewhere",
     )
-    prefill_attention_backend: Literal["torch", "triton"] = _opt(
-        "torch",
-        "prefill rows: plain torch (gather pages, then SDPA) or a Triton varlen paged kernel "
-        "(CUDA; correct on the tests, not yet measured on a GPU, hence not the default)",
+    prefill_attention_backend: Literal["auto", "triton", "torch"] = _opt(
+        "auto",
+        "prefill rows: a Triton varlen paged kernel, or plain torch (gather pages, then SDPA); "
+        "auto is triton on CUDA when it imports, torch elsewhere",
+    )
+    fuse_projections: bool = _opt(
+        True,
+        "one matrix product for q|k|v and one for gate|up (small products read their weights "
+        "well below the memory bandwidth)",
     )
     cuda_graphs: bool = _opt(
         True,

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The one script every GPU session runs, from the repository root on the device machine.
 # Parts (PARTS, a comma list, in this order):
-#   tests    pytest tests/gpu and the kernel tests on the GPU                   (~4 min)
+#   tests    pytest tests/gpu and the kernel tests on the GPU                   (~6 min)
 #   micro    scripts/bench_attention.py, scripts/bench_matmul.py, one decode step of random:llama-8b at batch 32
 #            (context 4096) eager vs CUDA graph against its bandwidth floor, and one mixed
 #            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)
+#   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
+#            with and without --fuse-projections                                 (~1 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync                                              (~3 min)
 #   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
@@ -23,7 +25,7 @@
 #                          flags win, e.g. "--launch-arg=--no-cuda-graphs")
 #   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes)
 #   PYTEST_K=              a pytest -k expression to run part of the tests
-#   TEST_TIMEOUT=240       seconds for the tests part
+#   TEST_TIMEOUT=420       seconds for the tests part
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
 #                          gets TARGET_TIMEOUT=420
 #   PYTHON=python
@@ -36,7 +38,7 @@ PY=${PYTHON:-python}
 BENCH_SCALE=${BENCH_SCALE:-1}
 BENCH_OUTPUT_LEN=${BENCH_OUTPUT_LEN:-1024}
 BENCH_1B_REQUESTS=${BENCH_1B_REQUESTS:-256}
-TEST_TIMEOUT=${TEST_TIMEOUT:-240}
+TEST_TIMEOUT=${TEST_TIMEOUT:-420}
 TARGET_TIMEOUT=${TARGET_TIMEOUT:-420}
 PARTS=${PARTS:-tests,micro,bench}
 BENCH_MODES=${BENCH_MODES:-async,sync}
@@ -96,7 +98,7 @@ if want tests; then
     section tests
     kernel_tests=(tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py)
     timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu "${kernel_tests[@]}" \
-        -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
+        -m gpu -v -s --durations=15 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
     rcs+=("tests=${PIPESTATUS[0]}")
 fi
 
@@ -124,6 +126,18 @@ if want micro; then
         done
     } 2>&1 | tee "$OUT/micro.log"
     rcs+=("micro=$(grep '^exit code' "$OUT/micro.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want step; then
+    {
+        for fuse in --fuse-projections --no-fuse-projections; do
+            section "one decode step, random:llama-8b x32, context 4096, graph, $fuse"
+            timeout -k 10 120 "$PY" scripts/profile_step.py --model random:llama-8b --batch 32 \
+                --context 4096 --steps 30 "$fuse" 2>&1 | grep -v '^USDT' | head -30
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+    } 2>&1 | tee "$OUT/step.log"
+    rcs+=("step=$(grep '^exit code' "$OUT/step.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want bench; then

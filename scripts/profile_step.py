@@ -39,7 +39,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
-    parser.add_argument("--prefill-attention-backend", choices=("torch", "triton"), default="torch")
+    parser.add_argument(
+        "--prefill-attention-backend", choices=("auto", "torch", "triton"), default="auto"
+    )
+    parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-decode", action="store_true")
     parser.add_argument(
@@ -60,7 +63,8 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model = load_model(resolve_model(args.model), device, dtype,
-                       attn_implementation=attention.register())  # fmt: skip
+                       attn_implementation=attention.register(),
+                       fuse=args.fuse_projections)  # fmt: skip
     bs = args.block_size
     # Room for the keys a --grow run attends to (they are masked, but gathered).
     longest = max(args.context + 2 * args.steps + 16, args.prefill_len)
@@ -121,7 +125,9 @@ def main() -> None:
         print(
             f"bandwidth floor {floor_ms:.2f} ms: the step takes {dev / floor_ms:.2f}x the floor"
             f" ({'graph' if runner.graphs.find(step) else 'eager'}, decode kernel "
-            f"{'triton' if kernel else 'torch'})"
+            f"{'triton' if kernel else 'torch'}, projections "
+            f"{'fused' if args.fuse_projections else 'separate'}"
+            f"{', compiled' if args.compile_decode else ''})"
         )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":

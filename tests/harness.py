@@ -33,9 +33,11 @@ CPU = torch.device("cpu")
 
 @cache
 def paged_model(
-    name: str, device: torch.device = CPU, dtype: torch.dtype = torch.float32
+    name: str, device: torch.device = CPU, dtype: torch.dtype = torch.float32, fuse: bool = True
 ) -> torch.nn.Module:
-    return load_model(resolve_model(name), device, dtype, attn_implementation=attention.register())
+    return load_model(
+        resolve_model(name), device, dtype, attn_implementation=attention.register(), fuse=fuse
+    )
 
 
 @cache
@@ -91,12 +93,13 @@ class InProcessEngine:
     attention_backend: str = "auto"  # the worker's choice: the Triton kernel on CUDA
     cuda_graphs: bool = True  # on CUDA with the kernel; ignored elsewhere, as in the worker
     compile_decode: bool = False
-    prefill_backend: str = "torch"  # "triton": the varlen kernel (interpreted on the CPU)
+    prefill_backend: str = "auto"  # "triton" on the CPU: the varlen kernel, interpreted
+    fuse_projections: bool = True
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
     def __post_init__(self) -> None:
-        model = paged_model(self.model_name, self.device, self.dtype)
+        model = paged_model(self.model_name, self.device, self.dtype, self.fuse_projections)
         limits = SlotLimits(
             self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
         )

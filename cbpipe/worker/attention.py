@@ -15,6 +15,8 @@ step in ``PagedStep.build`` and shared by every layer.
 
 from __future__ import annotations
 
+import importlib
+
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -379,33 +381,42 @@ def attend_gathered(
     return out.reshape(num_seqs, max_q, kv_heads * group_size, head_dim)
 
 
-def load_decode_kernel(backend: str, device: torch.device) -> DecodeKernel | None:
-    """The Triton decode kernel if ``backend`` and ``device`` call for it, else None (torch)."""
+def _load_kernel(flag: str, backend: str, device: torch.device, module: str, name: str):
+    """A Triton kernel if ``backend`` and ``device`` call for it, else None (the torch path).
+
+    ``auto`` takes the kernel on CUDA when triton imports; ``triton`` insists on it.
+    """
     if backend == "torch" or device.type != "cuda":
         if backend == "triton":
-            raise ValueError(f"--attention-backend triton needs a CUDA device, not {device}")
+            raise ValueError(f"{flag} triton needs a CUDA device, not {device}")
         return None
     try:
-        from cbpipe.worker.kernels.paged_decode import paged_decode_attention
+        return getattr(importlib.import_module(module), name)
     except ImportError as exc:
         if backend == "triton":
-            raise RuntimeError(
-                f"--attention-backend triton, but triton fails to import: {exc}"
-            ) from exc
-        log.warning("triton is not importable (%s); decode attention takes the torch path", exc)
+            raise RuntimeError(f"{flag} triton, but triton fails to import: {exc}") from exc
+        log.warning("triton is not importable (%s); %s falls back to torch", exc, flag)
         return None
-    return paged_decode_attention
+
+
+def load_decode_kernel(backend: str, device: torch.device) -> DecodeKernel | None:
+    return _load_kernel(
+        "--attention-backend",
+        backend,
+        device,
+        "cbpipe.worker.kernels.paged_decode",
+        "paged_decode_attention",
+    )
 
 
 def load_prefill_kernel(backend: str, device: torch.device) -> PrefillKernel | None:
-    """The Triton prefill kernel if ``backend`` asks for it on CUDA, else None (torch)."""
-    if backend == "torch":
-        return None
-    if device.type != "cuda":
-        raise ValueError(f"--prefill-attention-backend triton needs a CUDA device, not {device}")
-    from cbpipe.worker.kernels.paged_prefill import paged_prefill_attention
-
-    return paged_prefill_attention
+    return _load_kernel(
+        "--prefill-attention-backend",
+        backend,
+        device,
+        "cbpipe.worker.kernels.paged_prefill",
+        "paged_prefill_attention",
+    )
 
 
 def register() -> str:

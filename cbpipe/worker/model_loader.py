@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from cbpipe.config import CacheConfig
 from cbpipe.models import ModelSource
 from cbpipe.worker.attention import KVCache
+from cbpipe.worker.fused_projections import fuse_projections
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,12 @@ def load_model(
     *,
     seed: int = 0,
     attn_implementation: str = "sdpa",
+    fuse: bool = False,
 ) -> PreTrainedModel:
-    """The model in eval mode on ``device``; presets get seeded random weights made there."""
+    """The model in eval mode on ``device``; presets get seeded random weights made there.
+
+    ``fuse`` joins sibling projections into one product each (``fused_projections``).
+    """
     if source.path is None:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -50,6 +55,8 @@ def load_model(
             source.path, dtype=dtype, attn_implementation=attn_implementation
         ).to(device)
     model.eval().requires_grad_(False)
+    if fuse:
+        fuse_projections(model)
     return model
 
 

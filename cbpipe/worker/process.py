@@ -92,7 +92,12 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     source = resolve_model(config.model.model)
     model = load_model(
-        source, device, dtype, seed=config.model.seed, attn_implementation=attention.register()
+        source,
+        device,
+        dtype,
+        seed=config.model.seed,
+        attn_implementation=attention.register(),
+        fuse=config.worker.fuse_projections,
     )
     num_blocks = num_kv_blocks(model, config.cache, device, dtype)
     kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)

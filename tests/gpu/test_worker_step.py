@@ -60,17 +60,17 @@ def test_replaying_a_decode_graph_never_synchronises_the_host() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "graphs", "prefill"),
+    ("backend", "graphs", "prefill", "fuse", "compile_decode"),
     [
-        ("triton", True, "torch"),
-        ("triton", False, "torch"),
-        ("torch", False, "torch"),
-        ("triton", True, "triton"),
+        ("auto", True, "auto", True, False),
+        ("auto", True, "auto", True, True),
+        ("triton", False, "torch", True, False),
+        ("torch", False, "torch", False, False),
     ],
-    ids=["triton-graphs", "triton-eager", "torch-eager", "triton-graphs-triton-prefill"],
+    ids=["defaults", "compiled", "triton-eager-torch-prefill", "torch-eager-unfused"],
 )
 def test_many_overlapping_steps_match_generate_on_cuda(
-    backend: str, graphs: bool, prefill: str
+    backend: str, graphs: bool, prefill: str, fuse: bool, compile_decode: bool
 ) -> None:
     """Two steps really in flight on three streams, for hundreds of steps, with random
     switches between async and sync: greedy tokens equal transformers' ``generate`` on CUDA
@@ -92,6 +92,8 @@ def test_many_overlapping_steps_match_generate_on_cuda(
         attention_backend=backend,
         cuda_graphs=graphs,
         prefill_backend=prefill,
+        fuse_projections=fuse,
+        compile_decode=compile_decode,
     )
     assert (len(engine.runner.graphs) > 0) == graphs
     try:
