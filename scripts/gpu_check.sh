@@ -24,6 +24,7 @@
 #   BENCH_EXTRA=           more scripts/bench.py flags for every benchmark (word-split; later
 #                          flags win, e.g. "--launch-arg=--no-cuda-graphs")
 #   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes)
+#   BENCH_MODELS=llama8b,llama1b  the bench part's runs
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=420       seconds for the tests part
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
@@ -42,6 +43,7 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-420}
 TARGET_TIMEOUT=${TARGET_TIMEOUT:-420}
 PARTS=${PARTS:-tests,micro,bench}
 BENCH_MODES=${BENCH_MODES:-async,sync}
+BENCH_MODELS=${BENCH_MODELS:-llama8b,llama1b}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
 read -r -a bench_extra <<<"${BENCH_EXTRA:-}"
 output_len=$((BENCH_OUTPUT_LEN / BENCH_SCALE))
@@ -142,12 +144,16 @@ fi
 
 if want bench; then
     {
-        bench llama8b --model random:llama-8b --num-requests 32 --prompt-len 128 \
-            --output-len "$output_len"
-        echo "exit code $?"
-        bench llama1b --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
-            --prompt-len 128 --output-len "$output_len"
-        echo "exit code $?"
+        if [[ ",$BENCH_MODELS," == *",llama8b,"* ]]; then
+            bench llama8b --model random:llama-8b --num-requests 32 --prompt-len 128 \
+                --output-len "$output_len"
+            echo "exit code $?"
+        fi
+        if [[ ",$BENCH_MODELS," == *",llama1b,"* ]]; then
+            bench llama1b --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
+                --prompt-len 128 --output-len "$output_len" --trace-dir "$OUT/traces1b_256"
+            echo "exit code $?"
+        fi
     } 2>&1 | tee "$OUT/bench.log"
     rcs+=("bench=$(grep '^exit code' "$OUT/bench.log" | awk '{print $3}' | paste -sd/ -)")
 fi
