@@ -25,6 +25,7 @@
 #                          flags win, e.g. "--launch-arg=--no-cuda-graphs")
 #   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes)
 #   BENCH_MODELS=llama8b,llama1b  the bench part's runs
+#   TARGET_RUNS=llama8b,llama1b   the target part's runs
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=420       seconds for the tests part
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
@@ -44,6 +45,7 @@ TARGET_TIMEOUT=${TARGET_TIMEOUT:-420}
 PARTS=${PARTS:-tests,micro,bench}
 BENCH_MODES=${BENCH_MODES:-async,sync}
 BENCH_MODELS=${BENCH_MODELS:-llama8b,llama1b}
+TARGET_RUNS=${TARGET_RUNS:-llama8b,llama1b}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
 read -r -a bench_extra <<<"${BENCH_EXTRA:-}"
 output_len=$((BENCH_OUTPUT_LEN / BENCH_SCALE))
@@ -160,13 +162,18 @@ fi
 
 if want target; then
     {
-        BENCH_TIMEOUT=$TARGET_TIMEOUT bench target8b --model random:llama-8b --num-requests 32 \
-            --prompt-len 256 --output-len $((8192 / BENCH_SCALE)) --trace-dir "$OUT/traces8b"
-        echo "exit code $?"
-        BENCH_MODES=${TARGET_1B_MODES:-async} bench target1b --model random:llama-1b \
-            --num-requests 1024 --trace-dir "$OUT/traces1b" \
-            --random-prompt-len 64,1024 --random-output-len 64,$((512 / BENCH_SCALE)) --seed 0
-        echo "exit code $?"
+        if [[ ",$TARGET_RUNS," == *",llama8b,"* ]]; then
+            BENCH_TIMEOUT=$TARGET_TIMEOUT bench target8b --model random:llama-8b \
+                --num-requests 32 --prompt-len 256 --output-len $((8192 / BENCH_SCALE)) \
+                --trace-dir "$OUT/traces8b"
+            echo "exit code $?"
+        fi
+        if [[ ",$TARGET_RUNS," == *",llama1b,"* ]]; then
+            BENCH_MODES=${TARGET_1B_MODES:-async} bench target1b --model random:llama-1b \
+                --num-requests 1024 --trace-dir "$OUT/traces1b" \
+                --random-prompt-len 64,1024 --random-output-len 64,$((512 / BENCH_SCALE)) --seed 0
+            echo "exit code $?"
+        fi
     } 2>&1 | tee "$OUT/target.log"
     rcs+=("target=$(grep '^exit code' "$OUT/target.log" | awk '{print $3}' | paste -sd/ -)")
 fi

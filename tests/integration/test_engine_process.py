@@ -18,7 +18,12 @@ from typing import Any
 import pytest
 
 from cbpipe.client import Client, EngineError, Job
-from tests.integration.conftest import EngineRun, free_tcp_address, leftover_segments
+from tests.integration.conftest import (
+    MODEL_FLAGS,
+    EngineRun,
+    free_tcp_address,
+    leftover_segments,
+)
 from tests.integration.helpers import first_tokens, random_prompt
 
 JOB_FAILURE_S = 10.0  # the engine dies or stops: every job fails with EngineError within this
@@ -123,3 +128,42 @@ def test_client_without_an_engine_fails_fast(tmp_path: Path, transport: str) -> 
 def test_client_library_imports_without_torch() -> None:
     code = "import sys, cbpipe.client; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie waiting for a reaper (inside a container, PID 1 may never reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_engine_stops_when_the_program_that_started_it_is_killed() -> None:
+    """A benchmark killed by ``timeout -s KILL`` runs no clean-up; its engine must not live on
+    holding the device's memory and a shared-memory segment."""
+    program = (
+        "import sys\n"
+        "from cbpipe.engine_process import EngineProcess\n"
+        f"engine = EngineProcess.start({list(MODEL_FLAGS)!r}, timeout=120)\n"
+        "print(engine.process.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        launcher_pid = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + LAUNCHER_EXIT_S
+    while not _exited(launcher_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _exited(launcher_pid), f"the engine outlived its parent by {LAUNCHER_EXIT_S:.0f} s"
+    deadline = time.monotonic() + 5  # the launcher unlinks the segment as it stops
+    while leftover_segments(launcher_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not leftover_segments(launcher_pid)
