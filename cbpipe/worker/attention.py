@@ -16,7 +16,6 @@ step in ``PagedStep.build`` and shared by every layer.
 from __future__ import annotations
 
 import importlib
-
 import logging
 from dataclasses import dataclass
 from typing import Protocol
