@@ -11,6 +11,7 @@ Times are process CPU time, so a busy machine disturbs them less than wall time 
 from __future__ import annotations
 
 import argparse
+import gc
 import mmap
 import random
 import statistics
@@ -19,6 +20,7 @@ import time
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.scheduler.block_manager import BlockManager
+from cbpipe.scheduler.collector import CollectorPacing
 from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
@@ -33,6 +35,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=(64, 512), metavar=("LO", "HI"))
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gc",
+        choices=("paced", "default"),
+        default="paced",
+        help="paced: the engine's CollectorPacing (full collections off the step path); "
+        "default: Python's automatic collections",
+    )
     return p.parse_args()
 
 
@@ -56,6 +65,19 @@ def main() -> None:
         scheduler.add_request(Request(i, prompt, params, i, max_len, frozenset()))
 
     cpu_ms: dict[str, list[float]] = {"decode-only": [], "with prefill": []}
+    pauses_ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    collector_started = [0.0]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            collector_started[0] = time.perf_counter()
+        else:
+            pauses_ms[info["generation"]].append((time.perf_counter() - collector_started[0]) * 1e3)
+
+    collector = CollectorPacing()
+    if args.gc == "paced":
+        collector.start()
+    gc.callbacks.append(on_collection)
     in_flight: list[tuple[StepPlan, int]] = []
 
     def apply_oldest() -> float:
@@ -78,19 +100,29 @@ def main() -> None:
         in_flight.append((plan, step % 2))
         if len(in_flight) == 2:
             elapsed += apply_oldest()
+        if args.gc == "paced":
+            collector.between_steps()
         kind = "decode-only" if packed.num_single_token_seqs == packed.num_seqs else "with prefill"
         cpu_ms[kind].append(elapsed * 1e3)
         step += 1
     while in_flight:
         apply_oldest()
 
-    print(f"{args.num_requests} requests, {step} steps in {time.perf_counter() - started:.1f} s")
+    gc.callbacks.remove(on_collection)
+    collector.stop()
+    print(f"{args.num_requests} requests, {step} steps in {time.perf_counter() - started:.1f} s"
+          f" (garbage collection: {args.gc})")  # fmt: skip
     for kind, values in cpu_ms.items():
         if values:
             values.sort()
             p90 = values[int(0.9 * (len(values) - 1))]
+            p99 = values[int(0.99 * (len(values) - 1))]
             print(f"{kind:>13}: {len(values):5d} steps, CPU per step (plan + pack + apply) "
-                  f"median {statistics.median(values):.3f} ms, p90 {p90:.3f} ms")  # fmt: skip
+                  f"median {statistics.median(values):.3f} ms, p90 {p90:.3f} ms, "
+                  f"p99 {p99:.3f} ms, max {values[-1]:.3f} ms")  # fmt: skip
+    for generation, values in pauses_ms.items():
+        longest = f", longest {max(values):.3f} ms" if values else ""
+        print(f"  generation {generation} collections: {len(values)}{longest}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import zmq
 import zmq.utils.monitor
 
 from cbpipe.protocol.messages import Shutdown, Step, StepDone, WorkerFailed, decode, encode
+from cbpipe.scheduler.collector import CollectorPacing
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend
 from cbpipe.scheduler.packer import BatchPacker
@@ -78,6 +79,7 @@ class EngineLoop:
         self.max_in_flight = 1 if sync else 2
         self.pack_delay_s = pack_delay_s
         self.records: list[StepRecord] | None = [] if record_steps else None
+        self.collector = CollectorPacing()
         self.in_flight: deque[InFlight] = deque()
         self.unpublished: list[Applied] = []
         self.num_slots = packer.layout.num_slots
@@ -95,15 +97,19 @@ class EngineLoop:
         """Serve until ``stop()``; raises ``WorkerLost`` if the worker goes away.
 
         A step's results are applied as soon as they arrive, but streamed to the clients only
-        after the next step is sent: the worker's queue is refilled first.
+        after the next step is sent: the worker's queue is refilled first. Full garbage
+        collections wait for the same moment, or for the engine to go idle (``collector``).
         """
         while not self.stopping:
             if self._can_launch():
                 self._launch()
                 self._publish()
+                self.collector.between_steps()
                 self._poll(timeout_ms=0)
             else:
                 self._publish()
+                if not self.in_flight and not self.scheduler.has_work:
+                    self.collector.on_idle()
                 self._poll(timeout_ms=POLL_MS)
 
     def stop(self) -> None:

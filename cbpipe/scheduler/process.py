@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import traceback
@@ -40,9 +39,7 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
     exit_code = 0
     try:
         loop = _start(spec, sockets, segment)
-        # What start-up allocated (tokenizer, modules) lives as long as the process: keep the
-        # collector from walking it again and again while steps are on the critical path.
-        gc.freeze()
+        loop.collector.start()
         ready.send(("ready", spec.addresses.client))
         _stop_on_signals(loop)
         loop.run()
