@@ -199,3 +199,34 @@ def test_triton_prefill_and_decode_kernels_match_generate() -> None:
     )
     assert engine.runner.prefill_kernel is not None
     _check_against_reference(engine, EMBEDDED, prompts, params, eos=None, mode="random")
+
+
+@needs_embedded
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_warm_up_touches_only_the_padding_block(backend: str) -> None:
+    """The start-up warm-up (run on CUDA before serving) writes keys and values to the
+    cache's padding block only, and the engine then still matches ``generate``."""
+    import torch
+
+    engine = InProcessEngine(
+        EMBEDDED,
+        max_batch_tokens=24,
+        max_num_seqs=3,
+        attention_backend=backend,
+        prefill_backend=backend,
+    )
+    cache = engine.runner.kv_cache
+    for tensors in (cache.keys, cache.values):
+        for layer in tensors:
+            layer.normal_()  # as if earlier requests had filled the cache
+    before = [t.clone() for t in (*cache.keys, *cache.values)]
+    engine.runner.warm_up()
+    padding = slice(cache.padding_slot, cache.padding_slot + cache.block_size)
+    for old, new in zip(before, (*cache.keys, *cache.values), strict=True):
+        assert torch.equal(old[: padding.start], new[: padding.start])
+        assert not torch.equal(old[padding], new[padding])  # it did write there
+    source = resolve_model(EMBEDDED)
+    rng = random.Random(4)
+    prompts = _prompts(rng, source.config.vocab_size, count=4, longest=50)
+    params = [SamplingParams(max_new_tokens=rng.randint(2, 8), ignore_eos=True) for _ in prompts]
+    _check_against_reference(engine, EMBEDDED, prompts, params, eos=None, mode="random")

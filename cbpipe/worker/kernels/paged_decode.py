@@ -116,7 +116,8 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The split count follows the batch size; specialising on it would compile variants mid-run.
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_kv_kernel(
     q_ptr,
     k_ptr,
@@ -244,7 +245,7 @@ def _split_kv_kernel(
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_max_ptr,
     part_sum_ptr,

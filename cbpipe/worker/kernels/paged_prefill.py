@@ -144,7 +144,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The table's row stride is the step's block-table width, which changes from step to step;
+# specialising on it (== 1, divisible by 16) would compile new variants mid-run.
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
