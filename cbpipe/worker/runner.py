@@ -181,7 +181,6 @@ class StepRunner:
         """
         started = time.perf_counter()
         limits = self.layout.limits
-        padding_block = self.kv_cache.num_blocks
         beside = min(1, limits.max_seqs - 1)  # a decode row beside each prefill
         longest = limits.max_tokens - beside
         lengths = sorted({1 << i for i in range(longest.bit_length())} | {longest})
@@ -189,45 +188,9 @@ class StepRunner:
         # Decode-only batches of every power of two: the split count follows the batch size.
         batches = sorted({1 << i for i in range(widest.bit_length())} | {widest})
         shapes = [(beside, n) for n in lengths] + [(b, 0) for b in batches]
-        slot = self.slots[0]
-        inputs = slot.inputs
-        bs = self.kv_cache.block_size
-        for num_decodes, prefill_len in shapes:
-            num_seqs = num_decodes + (1 if prefill_len else 0)
-            num_tokens = num_decodes + prefill_len
-            width = min(limits.max_blocks_per_seq, max(1, -(-prefill_len // bs)))
-            context = min(prefill_len, width * bs)
-            if context < prefill_len:
-                continue  # longer than a sequence may be
-            query_start = list(range(num_decodes + 1)) + ([num_tokens] if prefill_len else [])
-            positions = [0] * num_decodes + list(range(prefill_len))
-            inputs["header"][_WIDTH] = width
-            inputs["header"][_NUM_SEQS] = num_seqs
-            inputs["input_ids"][:num_tokens] = 0
-            inputs["carry_mask"][:num_tokens] = False
-            inputs["positions"][:num_tokens].copy_(torch.tensor(positions))
-            inputs["slot_mapping"][:num_tokens] = self.kv_cache.padding_slot
-            inputs["query_start"][: num_seqs + 1].copy_(torch.tensor(query_start))
-            inputs["context_lens"][:num_seqs] = 1
-            if prefill_len:
-                inputs["context_lens"][num_decodes] = context
-            inputs["block_tables"][: num_seqs * width] = padding_block
-            inputs["temperature"][:num_seqs] = 0.0
-            step = Step(
-                step=-1,
-                slot=0,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                num_single_token_seqs=num_decodes,
-                max_query_len=max(prefill_len, 1),
-                max_context_len=max(context, 1),
-                block_table_width=width,
-                carry_from_slot=None,
-                all_greedy=True,
-                needs_top_k_top_p=False,
-            )
-            with self._on(self.compute_stream):
-                self._compute(step, slot)
+        with self._on(self.compute_stream):  # the slot's fills and the steps, in order
+            for num_decodes, prefill_len in shapes:
+                self._run_padding_step(num_decodes, prefill_len)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         log.info(
@@ -236,6 +199,46 @@ class StepRunner:
             longest,
             time.perf_counter() - started,
         )
+
+    def _run_padding_step(self, num_decodes: int, prefill_len: int) -> None:
+        """One eager step through slot 0: ``num_decodes`` decode rows, then a prefill of
+        ``prefill_len`` tokens, every row writing and reading the cache's padding block."""
+        limits = self.layout.limits
+        bs = self.kv_cache.block_size
+        width = max(1, -(-prefill_len // bs))
+        if width > limits.max_blocks_per_seq:
+            return  # longer than a sequence may be
+        num_seqs = num_decodes + (1 if prefill_len else 0)
+        num_tokens = num_decodes + prefill_len
+        query_start = list(range(num_decodes + 1)) + ([num_tokens] if prefill_len else [])
+        inputs = self.slots[0].inputs
+        inputs["header"][_WIDTH] = width
+        inputs["header"][_NUM_SEQS] = num_seqs
+        inputs["input_ids"][:num_tokens] = 0
+        inputs["carry_mask"][:num_tokens] = False
+        inputs["positions"][:num_tokens].copy_(
+            torch.tensor([0] * num_decodes + list(range(prefill_len)))
+        )
+        inputs["slot_mapping"][:num_tokens] = self.kv_cache.padding_slot
+        inputs["query_start"][: num_seqs + 1].copy_(torch.tensor(query_start))
+        inputs["context_lens"][:num_decodes] = 1
+        inputs["context_lens"][num_decodes:num_seqs] = prefill_len
+        inputs["block_tables"][: num_seqs * width] = self.kv_cache.num_blocks  # padding
+        inputs["temperature"][:num_seqs] = 0.0
+        step = Step(
+            step=-1,
+            slot=0,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            num_single_token_seqs=num_decodes,
+            max_query_len=max(prefill_len, 1),
+            max_context_len=max(prefill_len, 1),
+            block_table_width=width,
+            carry_from_slot=None,
+            all_greedy=True,
+            needs_top_k_top_p=False,
+        )
+        self._compute(step, self.slots[0])
 
     def _capture_graphs(self, batch_sizes: Sequence[int]) -> None:
         if max(batch_sizes) > self.layout.limits.max_seqs:
