@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from cbpipe.scheduler.block_manager import BlockManager
+from cbpipe.scheduler.block_manager import BlockManager, BlockTables
 from cbpipe.scheduler.request import Request, RequestStatus
 
 
@@ -38,6 +38,8 @@ class StepPlan:
     step: int
     seqs: list[ScheduledSeq]
     preempted: list[Request] = field(default_factory=list)
+    # Row ``seq.req.table_row`` holds each sequence's block ids (the scheduler's BlockTables).
+    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
+        self.tables = BlockTables(max_num_seqs)
         self._next_step = 0
 
     # --- requests in and out ------------------------------------------------------------
@@ -137,13 +140,17 @@ class Scheduler:
             self.blocks.grow(req.block_ids, total)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.tables.assign(req)
             chosen.append((req, num_new))
             budget -= num_new
 
         # Rows of one query token first: the worker attends to them as one decode batch.
         chosen.sort(key=lambda item: item[1] != 1)
         return StepPlan(
-            step, [self._commit(req, n, i) for i, (req, n) in enumerate(chosen)], preempted
+            step,
+            [self._commit(req, n, i) for i, (req, n) in enumerate(chosen)],
+            preempted,
+            self.tables.rows,
         )
 
     def update(
@@ -192,10 +199,12 @@ class Scheduler:
             if victim is req:
                 return False
         self.blocks.grow(req.block_ids, total)
+        self.tables.sync(req)
         return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.tables.release(req)
         self.blocks.free(req.block_ids)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -223,6 +232,7 @@ class Scheduler:
         req.status = status
         if req in self.running:
             self.running.remove(req)
+            self.tables.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.free(req.block_ids)

@@ -43,7 +43,7 @@ class BatchPacker:
         row = num_decodes
         for index in range(num_decodes, num_seqs):
             row = self._pack_chunk_rows(views, seqs[index], index, row)
-        width = self._pack_sequences(views, seqs)
+        width = self._pack_sequences(views, seqs, plan.block_tables)
 
         views["header"][:] = (plan.step, num_tokens, num_seqs, width)
         params = [s.req.params for s in seqs]
@@ -97,7 +97,9 @@ class BatchPacker:
         views["input_ids"][row:end] = seq.req.known_tokens(seq.start, seq.start + (end - row))
         return end
 
-    def _pack_sequences(self, views: dict[str, np.ndarray], seqs: list[ScheduledSeq]) -> int:
+    def _pack_sequences(
+        self, views: dict[str, np.ndarray], seqs: list[ScheduledSeq], block_tables: np.ndarray
+    ) -> int:
         """Per-sequence fields and block tables; returns the block-table row width."""
         n = len(seqs)
         lengths = [s.num_query_tokens for s in seqs]
@@ -111,8 +113,7 @@ class BatchPacker:
         views["top_p"][:n] = [p.top_p for p in params]
         views["top_k"][:n] = [p.top_k for p in params]
         width = max(len(s.req.block_ids) for s in seqs)
-        tables = views["block_tables"][: n * width].reshape(n, width)
-        tables.fill(0)  # padding is never read: context_lens bounds every sequence
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.req.block_ids)] = seq.req.block_ids
+        rows = np.fromiter((s.req.table_row for s in seqs), dtype=np.intp, count=n)
+        # Columns past a sequence's own blocks hold stale ids; context_lens keeps them unread.
+        views["block_tables"][: n * width].reshape(n, width)[:] = block_tables[rows, :width]
         return width

@@ -64,6 +64,7 @@ class Request:
     # Sequence index, in the step that will sample the pending token, of this request's row.
     pending_seq_index: int | None = None
     block_ids: list[int] = field(default_factory=list)
+    table_row: int | None = None  # its row in the scheduler's BlockTables while running
     num_preemptions: int = 0
 
     @property
