@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler, StepPlan
@@ -159,3 +161,35 @@ def test_a_preempted_request_waits_for_its_pending_token() -> None:
     third = scheduler.schedule()
     recompute = next(s for s in third.seqs if s.req is b)
     assert (recompute.start, recompute.num_query_tokens, recompute.samples) == (0, 5, True)
+
+
+def test_block_table_rows_always_hold_each_running_requests_blocks() -> None:
+    """Through admissions, growth past the matrix's first width, preemptions, finishes and
+    cancellations, every planned sequence's row starts with exactly its block ids."""
+    rng = random.Random(3)
+    # Blocks of 1 token: tables grow every step and past BlockTables' initial 64 columns.
+    scheduler = make_scheduler(num_blocks=150, block_size=1, max_num_seqs=6, max_batch_tokens=24)
+    for i in range(30):
+        scheduler.add_request(
+            make_request(i, rng.randint(1, 40), max_new_tokens=rng.randint(1, 60))
+        )
+    in_flight: list[StepPlan] = []
+    preemptions = 0
+    while scheduler.requests:
+        plan = scheduler.schedule()
+        preemptions += len(plan.preempted)
+        for seq in plan.seqs:
+            ids = seq.req.block_ids
+            assert seq.req.table_row is not None
+            assert plan.block_tables[seq.req.table_row, : len(ids)].tolist() == ids
+        rows = [s.req.table_row for s in plan.seqs]
+        assert len(set(rows)) == len(rows)
+        in_flight.append(plan)
+        if len(in_flight) == 2 or not plan.seqs:
+            oldest = in_flight.pop(0)
+            scheduler.update(oldest, fake_tokens(oldest))
+        if rng.random() < 0.02 and scheduler.running:
+            scheduler.cancel(rng.choice(scheduler.running).request_id)
+    assert preemptions > 0
+    assert scheduler.tables.rows.shape[1] > 64
+    assert sorted(scheduler.tables._free_rows) == list(range(6))
