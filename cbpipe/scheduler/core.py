@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -19,9 +20,12 @@ from cbpipe.scheduler.block_manager import BlockManager, BlockTables
 from cbpipe.scheduler.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step: ``num_query_tokens`` rows starting at ``start``."""
+class ScheduledSeq(NamedTuple):
+    """One request's share of a step: ``num_query_tokens`` rows starting at ``start``.
+
+    A named tuple, not a frozen dataclass: one is made per sequence per step, and a frozen
+    dataclass's ``__init__`` costs about three times as much.
+    """
 
     req: Request
     start: int  # position of the first row
@@ -50,8 +54,7 @@ class StepPlan:
         return sum(1 for s in self.seqs if s.num_query_tokens == 1)
 
 
-@dataclass(frozen=True)
-class RequestUpdate:
+class RequestUpdate(NamedTuple):
     """What one step changed for one request: new tokens, and whether it finished."""
 
     req: Request
@@ -168,7 +171,7 @@ class Scheduler:
             if req.num_pending_tokens == 0:
                 req.pending_seq_index = None
             token_id = int(sampled_ids[index])
-            req.output_token_ids.append(token_id)
+            req.append_output(token_id)
             finished_as = req.stop_reason_after(token_id)
             if finished_as is not None:
                 self._finish(req, finished_as)

@@ -65,15 +65,21 @@ class Request:
     pending_seq_index: int | None = None
     block_ids: list[int] = field(default_factory=list)
     table_row: int | None = None  # its row in the scheduler's BlockTables while running
+    num_known_tokens: int = field(init=False)
     num_preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def num_known_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        # Prompt plus outputs, counted rather than measured: the scheduler reads it several
+        # times per request per step. Outputs grow only through ``append_output``.
+        self.num_known_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.num_known_tokens += 1
 
     @property
     def num_tokens(self) -> int:
