@@ -3,7 +3,7 @@ and benchmarks that drive a real engine from Python."""
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import re
 import selectors
@@ -16,26 +16,13 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+from cbpipe.lifetime import end_with_parent
+
 READY = re.compile(r"^cbpipe ready address=(\S+) scheduler=(\d+) worker=(\d+)")
 
 
 class EngineStartError(RuntimeError):
     pass
-
-
-def _terminate_with_parent(parent_pid: int):
-    """A ``preexec_fn`` asking Linux for a SIGTERM to the child when its parent exits."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def arrange() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before the request took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arrange
 
 
 class EngineProcess:
@@ -46,7 +33,8 @@ class EngineProcess:
     The launcher runs in a session of its own: a signal to the caller's process group does
     not reach it, and its own process group holds it and its children. On Linux it gets a
     SIGTERM when the caller dies, however it dies (a benchmark killed by ``timeout``, say), so
-    an engine never outlives the program that started it.
+    an engine never outlives the program that started it; start it from a thread that lives
+    as long as the engine should (``cbpipe.lifetime``).
     """
 
     def __init__(self, process: subprocess.Popen, stderr: IO[bytes]) -> None:
@@ -66,7 +54,7 @@ class EngineProcess:
             stderr=stderr,
             text=True,
             start_new_session=True,
-            preexec_fn=_terminate_with_parent(os.getpid()),
+            preexec_fn=functools.partial(end_with_parent, os.getpid()),
         )
         return cls(process, stderr)
 

@@ -8,6 +8,7 @@ folder of ipc sockets. It creates both before the children start and removes bot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -22,10 +23,11 @@ from types import FrameType
 
 from cbpipe import config as config_module
 from cbpipe.config import EngineConfig
+from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import EngineAddresses, RunSpec
-from cbpipe.protocol.shm import create_segment, new_segment_name, remove_segment
+from cbpipe.protocol.shm import SHM_DIR, create_segment, new_segment_name, remove_segment
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 
 log = logging.getLogger("cbpipe.launcher")
@@ -88,6 +90,8 @@ class Launcher:
                 segment.name,
                 layout.limits,
                 layout.num_slots,
+                launcher_pid=os.getpid(),
+                run_dir=run_dir,
             )
             self._install_signal_handlers()
             children = self._start_children(spec)
@@ -162,6 +166,8 @@ class Launcher:
 def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def]
     # Ctrl-C reaches the whole process group; the launcher alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A launcher killed outright stops nobody: the kernel's SIGTERM does instead.
+    end_with_parent(spec.launcher_pid)
     code = 1
     try:
         target(spec, ready)
@@ -171,11 +177,19 @@ def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def
     except BaseException:
         traceback.print_exc()
     finally:
+        if os.getppid() != spec.launcher_pid:
+            _remove_run_files(spec)  # the launcher died without cleaning up: nobody else will
         # The child has released what it holds; skip the interpreter's teardown, which
         # spends seconds collecting torch's and transformers' objects.
         logging.shutdown()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _remove_run_files(spec: RunSpec) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, spec.segment_name))
+    shutil.rmtree(spec.run_dir, ignore_errors=True)
 
 
 def _read_status(conn: mp.connection.Connection) -> tuple[str, str]:

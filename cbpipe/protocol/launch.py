@@ -33,6 +33,8 @@ class RunSpec:
     segment_name: str
     slot_limits: SlotLimits
     num_slots: int
+    launcher_pid: int
+    run_dir: str  # the ipc sockets' folder, removed with the run
 
     @cached_property
     def layout(self) -> SlotLayout:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from cbpipe.client import Client, EngineError, Job
+from cbpipe.engine_process import EngineProcess
 from tests.integration.conftest import (
     MODEL_FLAGS,
     EngineRun,
@@ -167,3 +168,26 @@ def test_engine_stops_when_the_program_that_started_it_is_killed() -> None:
     while leftover_segments(launcher_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not leftover_segments(launcher_pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_children_stop_and_clean_up_when_the_launcher_is_killed() -> None:
+    """SIGKILL (the OOM killer, ``kill -9``) gives the launcher no chance to stop its children
+    or remove the shared memory and socket folder; the children do both."""
+    engine = EngineProcess.start(list(MODEL_FLAGS), timeout=120)
+    launcher = engine.process.pid
+    children = (engine.scheduler_pid, engine.worker_pid)
+    assert engine.address.startswith("ipc://")
+    run_dir = os.path.dirname(engine.address.removeprefix("ipc://"))  # the sockets' folder
+    assert os.path.isdir(run_dir) and leftover_segments(launcher)
+    with Client(engine.address) as client:
+        jobs = submit_long_jobs(client, 2)
+        os.kill(launcher, signal.SIGKILL)
+        engine.process.wait()
+        assert_jobs_fail(jobs, JOB_FAILURE_S)
+    deadline = time.monotonic() + LAUNCHER_EXIT_S
+    while not all(_exited(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_exited(pid) for pid in children), "a child outlived the launcher"
+    assert not leftover_segments(launcher)
+    assert not os.path.exists(run_dir)

@@ -1,0 +1,34 @@
+"""Processes that end with the process that started them.
+
+A parent killed outright (SIGKILL, the OOM killer) runs no clean-up, and its children would
+live on holding the device's memory and a shared-memory segment. On Linux a child can ask the
+kernel for a signal when its parent exits (``PR_SET_PDEATHSIG``); elsewhere these functions
+do nothing.
+
+The kernel sends the signal when the *thread* that forked the child exits: start children
+from a thread that lives as long as they should (the main thread, normally).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Loaded at import, in the parent: a pre-exec hook runs after fork and must not dlopen.
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def end_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> None:
+    """Have ``signum`` sent to this process when ``parent_pid``, its parent, exits.
+
+    If the parent is already gone (it died before this call), the signal is sent at once.
+    Safe as a ``subprocess.Popen`` ``preexec_fn``: it makes only system calls.
+    """
+    if _libc is None:
+        return
+    _libc.prctl(_PR_SET_PDEATHSIG, signum)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signum)
