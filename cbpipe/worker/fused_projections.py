@@ -70,8 +70,9 @@ class FusedPart(nn.Module):
         end = start + fused.sizes[index]
         self.in_features = fused.weight.shape[1]
         self.out_features = fused.sizes[index]
-        # Views, registered as buffers so that .to() and state_dict() see them without
-        # counting them as parameters twice.
+        # Views of the fused weight, for model code that reads a projection's weight (its
+        # dtype, its shape); buffers, so parameters() still counts every weight once, and
+        # not persistent, so state_dict() keeps only the fused matrix.
         self.register_buffer("weight", fused.weight[start:end], persistent=False)
         bias = None if fused.bias is None else fused.bias[start:end]
         self.register_buffer("bias", bias, persistent=False)
