@@ -17,10 +17,10 @@ import random
 import statistics
 import time
 
+from cbpipe.collector import CollectorPacing
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.scheduler.block_manager import BlockManager
-from cbpipe.scheduler.collector import CollectorPacing
 from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.utils.monitor
 
+from cbpipe.collector import CollectorPacing
 from cbpipe.protocol.messages import Shutdown, Step, StepDone, WorkerFailed, decode, encode
-from cbpipe.scheduler.collector import CollectorPacing
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend
 from cbpipe.scheduler.packer import BatchPacker

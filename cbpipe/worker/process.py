@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
+from cbpipe.collector import CollectorPacing
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import RunSpec
@@ -44,6 +45,7 @@ from cbpipe.worker.runner import LaunchedStep, StepRunner
 log = logging.getLogger("cbpipe.worker")
 
 _STOP = object()
+IDLE_MS = 100  # no step for this long: the worker is idle
 
 
 def worker_main(spec: RunSpec, ready: Connection) -> None:
@@ -132,13 +134,22 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
 
 
 def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
-    while True:
-        message = decode(steps.recv(), expected=(Step, Shutdown))
-        if isinstance(message, Shutdown):
-            log.info("shutdown requested")
-            return
-        assert isinstance(message, Step)
-        outbox.put(runner.launch(message))
+    collector = CollectorPacing()
+    collector.start()
+    try:
+        while True:
+            if not steps.poll(IDLE_MS):
+                collector.on_idle()  # no step for a while: a full collection costs nothing
+                continue
+            message = decode(steps.recv(), expected=(Step, Shutdown))
+            if isinstance(message, Shutdown):
+                log.info("shutdown requested")
+                return
+            assert isinstance(message, Step)
+            outbox.put(runner.launch(message))
+            collector.between_steps()
+    finally:
+        collector.stop()
 
 
 def _send_completions(context: zmq.Context, address: str, outbox: queue.Queue) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cbpipe.scheduler.collector import CollectorPacing
+from cbpipe.collector import CollectorPacing
 
 
 class Node:

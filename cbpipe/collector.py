@@ -1,16 +1,19 @@
-"""When the scheduler lets Python's cyclic garbage collector walk the old generation.
+"""When a process lets Python's cyclic garbage collector walk the old generation.
 
-A full collection walks every object the collector tracks, and a running engine holds many:
-each request's prompt and output token lists, its job state, the trace's step records. In an
-H200 run of random:llama-1b with 256 sequences, full collections came every ~130 steps and
-took 5-7 ms inside ``schedule+pack``, growing with the run, against 1 ms of slack between a
-3.4 ms step and the scheduler's 2.4 ms: each one left the GPU idle (`docs/PERFORMANCE.md`).
+A full collection walks every object the collector tracks, and both engine processes hold
+many: the scheduler each request's token lists, job state and the trace's step records; the
+worker the model's modules and everything transformers and torch import. In an H200 run of
+random:llama-1b with 256 sequences, full collections in the scheduler came every ~130 steps
+and took 5-7 ms inside ``schedule+pack``, growing with the run, against 1 ms of slack between
+a 3.4 ms step and 2.4 ms of scheduling; each left the GPU idle. In the 1b x1024 run, gaps of
+2-5 ms came every ~133 steps before steps whose scheduling was on time: the worker's turn,
+most likely (``docs/PERFORMANCE.md``).
 
 Young collections stay automatic: they walk only objects made since the last one, and take
-tens of microseconds. The old generation is collected when the engine has nothing to do, and
-under unbroken load at most once every ``max_interval_s``, right after a step is sent (the
-worker then has a whole step of work queued). Objects freed by reference counting, which is
-nearly all of them, never wait for the collector either way.
+tens of microseconds. The old generation is collected when the process has nothing to do,
+and under unbroken load at most once every ``max_interval_s``, right after a step is sent or
+launched (the device then has a step of work queued). Objects freed by reference counting,
+which is nearly all of them, never wait for the collector either way.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import gc
 import logging
 import time
 
-log = logging.getLogger("cbpipe.scheduler")
+log = logging.getLogger(__name__)
 
 # gen1 collections between full ones: far more than a run makes between idle moments.
 _NEVER = 1 << 30
@@ -33,7 +36,7 @@ class CollectorPacing:
 
     def start(self) -> None:
         """Freeze what start-up made and stop automatic full collections."""
-        # Start-up's objects (modules, tokenizer) live as long as the process: never walked.
+        # Start-up's objects (modules, the model, a tokenizer) live as long as the process.
         gc.freeze()
         young, middle, _ = self._saved_threshold = gc.get_threshold()
         gc.set_threshold(young, middle, _NEVER)
@@ -45,7 +48,7 @@ class CollectorPacing:
             self._saved_threshold = None
 
     def on_idle(self) -> None:
-        """The engine has no request: collect the old generation if anything reached it."""
+        """Nothing to do: collect the old generation if anything reached it since the last."""
         if gc.get_count()[2] > 0:
             self._collect("idle")
 
