@@ -68,10 +68,6 @@ class Request:
     num_known_tokens: int = field(init=False)
     num_preemptions: int = 0
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
     def __post_init__(self) -> None:
         # Prompt plus outputs, counted rather than measured: the scheduler reads it several
         # times per request per step. Outputs grow only through ``append_output``.
@@ -80,6 +76,10 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.num_known_tokens += 1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
