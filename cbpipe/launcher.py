@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -31,6 +32,10 @@ from cbpipe.protocol.shm import SHM_DIR, create_segment, new_segment_name, remov
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 
 log = logging.getLogger("cbpipe.launcher")
+
+# Sent by the kernel to each child when the launcher dies. Not SIGHUP: a terminal's hang-up
+# reaches the whole group, and under nohup the launcher would live on without its children.
+PARENT_DIED = signal.SIGUSR1
 
 STOP_TIMEOUT_S = 10.0
 WORKER_GRACE_S = 3.0  # for the worker to act on the scheduler's shutdown message
@@ -166,8 +171,10 @@ class Launcher:
 def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def]
     # Ctrl-C reaches the whole process group; the launcher alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A launcher killed outright stops nobody: the kernel's SIGTERM does instead.
-    end_with_parent(spec.launcher_pid)
+    # A launcher killed outright stops and cleans up nothing: its children do, on a signal of
+    # their own from the kernel (SIGTERM alone could not tell them who must clean up).
+    signal.signal(PARENT_DIED, functools.partial(_on_launcher_death, spec))
+    end_with_parent(spec.launcher_pid, PARENT_DIED)
     code = 1
     try:
         target(spec, ready)
@@ -177,8 +184,6 @@ def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def
     except BaseException:
         traceback.print_exc()
     finally:
-        if os.getppid() != spec.launcher_pid:
-            _remove_run_files(spec)  # the launcher died without cleaning up: nobody else will
         # The child has released what it holds; skip the interpreter's teardown, which
         # spends seconds collecting torch's and transformers' objects.
         logging.shutdown()
@@ -186,10 +191,16 @@ def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def
         os._exit(code)
 
 
-def _remove_run_files(spec: RunSpec) -> None:
+def _on_launcher_death(spec: RunSpec, signum: int, frame: FrameType | None) -> None:
+    """Remove what the launcher would have, then stop as if it had asked (SIGTERM).
+
+    Both children do it; whichever comes second finds nothing left. The mappings and the
+    connected sockets the processes hold keep working until they exit.
+    """
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, spec.segment_name))
     shutil.rmtree(spec.run_dir, ignore_errors=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _read_status(conn: mp.connection.Connection) -> tuple[str, str]:
