@@ -131,6 +131,16 @@ def test_client_library_imports_without_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
+def _status(pid: int) -> str:
+    """The kernel's view of a process: state, signals pending, blocked, caught."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            keep = ("Name", "State", "SigPnd", "ShdPnd", "SigBlk", "SigCgt", "PPid")
+            return "; ".join(line.strip() for line in f if line.startswith(keep))
+    except FileNotFoundError:
+        return "gone"
+
+
 def _exited(pid: int) -> bool:
     """Gone, or a zombie waiting for a reaper (inside a container, PID 1 may never reap)."""
     try:
@@ -188,6 +198,7 @@ def test_children_stop_and_clean_up_when_the_launcher_is_killed() -> None:
     deadline = time.monotonic() + LAUNCHER_EXIT_S
     while not all(_exited(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(_exited(pid) for pid in children), "a child outlived the launcher"
+    alive = {pid: _status(pid) for pid in children if not _exited(pid)}
+    assert not alive, f"children outlived the launcher: {alive}\nstderr:\n{engine.stderr[-2000:]}"
     assert not leftover_segments(launcher)
     assert not os.path.exists(run_dir)
