@@ -83,7 +83,7 @@ class EngineRun:
         except EngineStartError as exc:
             raise pytest.fail.Exception(f"engine {self.flags}: {exc}") from None
         for pid in (self.engine.scheduler_pid, self.engine.worker_pid):
-            start_time = _start_time(pid)
+            start_time = process_start_time(pid)
             assert start_time is not None, f"child {pid} named in the ready line is not running"
             self._children[pid] = start_time
 
@@ -128,7 +128,7 @@ class EngineRun:
                 os.kill(pid, signal.SIGKILL)
 
     def alive_children(self) -> list[int]:
-        return [pid for pid, start in self._children.items() if _start_time(pid) == start]
+        return [pid for pid, start in self._children.items() if process_start_time(pid) == start]
 
     def _wait_children_gone(self, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -163,7 +163,7 @@ def leftover_segments(launcher_pid: int) -> list[str]:
     return sorted(glob.glob(f"/dev/shm/cbpipe-{launcher_pid}-*"))
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """A live (not zombie) process's start time, which tells a reused pid apart."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     EngineRun,
     free_tcp_address,
     leftover_segments,
+    process_start_time,
 )
 from tests.integration.helpers import first_tokens, random_prompt
 
@@ -141,13 +142,18 @@ def _status(pid: int) -> str:
         return "gone"
 
 
-def _exited(pid: int) -> bool:
-    """Gone, or a zombie waiting for a reaper (inside a container, PID 1 may never reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+def _wait_until_gone(processes: dict[int, str | None], timeout: float) -> dict[int, str]:
+    """Waits for processes, given as pid -> start time, to exit; returns those still running.
+
+    A pid counts as gone once it names no live process with that start time: pids wrap
+    around quickly here (pid_max 32768), and a new process may take a dead one's pid.
+    """
+    deadline = time.monotonic() + timeout
+    running = dict(processes)
+    while running and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = {pid: t for pid, t in running.items() if process_start_time(pid) == t}
+    return {pid: _status(pid) for pid in running}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
@@ -167,13 +173,12 @@ def test_engine_stops_when_the_program_that_started_it_is_killed() -> None:
     try:
         assert parent.stdout is not None
         launcher_pid = int(parent.stdout.readline())
+        launcher = {launcher_pid: process_start_time(launcher_pid)}
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + LAUNCHER_EXIT_S
-    while not _exited(launcher_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _exited(launcher_pid), f"the engine outlived its parent by {LAUNCHER_EXIT_S:.0f} s"
+    alive = _wait_until_gone(launcher, LAUNCHER_EXIT_S)
+    assert not alive, f"the engine outlived its parent by {LAUNCHER_EXIT_S:.0f} s: {alive}"
     deadline = time.monotonic() + 5  # the launcher unlinks the segment as it stops
     while leftover_segments(launcher_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -186,7 +191,7 @@ def test_children_stop_and_clean_up_when_the_launcher_is_killed() -> None:
     or remove the shared memory and socket folder; the children do both."""
     engine = EngineProcess.start(list(MODEL_FLAGS), timeout=120)
     launcher = engine.process.pid
-    children = (engine.scheduler_pid, engine.worker_pid)
+    children = {pid: process_start_time(pid) for pid in (engine.scheduler_pid, engine.worker_pid)}
     assert engine.address.startswith("ipc://")
     run_dir = os.path.dirname(engine.address.removeprefix("ipc://"))  # the sockets' folder
     assert os.path.isdir(run_dir) and leftover_segments(launcher)
@@ -195,10 +200,7 @@ def test_children_stop_and_clean_up_when_the_launcher_is_killed() -> None:
         os.kill(launcher, signal.SIGKILL)
         engine.process.wait()
         assert_jobs_fail(jobs, JOB_FAILURE_S)
-    deadline = time.monotonic() + LAUNCHER_EXIT_S
-    while not all(_exited(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    alive = {pid: _status(pid) for pid in children if not _exited(pid)}
+    alive = _wait_until_gone(children, LAUNCHER_EXIT_S)
     assert not alive, f"children outlived the launcher: {alive}\nstderr:\n{engine.stderr[-2000:]}"
     assert not leftover_segments(launcher)
     assert not os.path.exists(run_dir)
