@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
+from cbpipe.worker.kernels.tiles import attend_tiles
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -60,60 +61,6 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Programs per SM that a split launch aims for, when the unsplit pairs are fewer than the SMs.
 _SPLIT_PROGRAMS_PER_SM = 2
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    m_i,
-    l_i,
-    acc,
-    tile,
-    end,
-    table,
-    k_head,
-    v_head,
-    stride_k_slot,
-    stride_v_slot,
-    qk_scale,
-    dims,
-    dim_ok,
-    io_dtype: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Online-softmax update of (m_i, l_i, acc) with the keys at positions tile .. tile+BLOCK_N."""
-    pos = tile + tl.arange(0, BLOCK_N)
-    pos_ok = pos < end
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-    # int64: slot * stride overflows int32 on caches of a few GB.
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-
-    # Loaded transposed, [BLOCK_D, BLOCK_N], so the product needs no tl.trans.
-    k = tl.load(
-        k_head + slot[None, :] * stride_k_slot + dims[:, None],
-        mask=pos_ok[None, :] & dim_ok[:, None],
-        other=0.0,
-    )
-    # "ieee": float32 inputs would otherwise be rounded to tf32; 16-bit ones ignore it.
-    scores = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale
-    scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-
-    # Every tile holds at least one valid key, so m_new is finite and no NaN arises.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-
-    v = tl.load(
-        v_head + slot[:, None] * stride_v_slot + dims[None, :],
-        mask=pos_ok[:, None] & dim_ok[None, :],
-        other=0.0,
-    )
-    # p is rounded to the input dtype as on the GPU, whether or not the dot is upcast.
-    p = p.to(io_dtype).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision="ieee")
-    return m_new, l_i, acc
 
 
 # The split count follows the batch size; specialising on it would compile variants mid-run.
@@ -183,52 +130,12 @@ def _split_kv_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     k_head = k_ptr + kv_head * stride_k_head
     v_head = v_ptr + kv_head * stride_v_head
-    if INTERPRETED:
-        # Triton 3.6's interpreter turns range() bounds into ints with int() of a 1-element
-        # array, which numpy >= 2.5 refuses; a while loop only needs bool().
-        tile = start
-        while tile < end:
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                tile,
-                end,
-                table,
-                k_head,
-                v_head,
-                stride_k_slot,
-                stride_v_slot,
-                qk_scale,
-                dims,
-                dim_ok,
-                io_dtype,
-                BLOCK_SIZE,
-                BLOCK_N,
-            )
-            tile += BLOCK_N
-    else:
-        for tile in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                tile,
-                end,
-                table,
-                k_head,
-                v_head,
-                stride_k_slot,
-                stride_v_slot,
-                qk_scale,
-                dims,
-                dim_ok,
-                io_dtype,
-                BLOCK_SIZE,
-                BLOCK_N,
-            )
+    # Keys masked at ``end``, no causal mask (the row_pos argument, here ``end``, goes unused).
+    m_i, l_i, acc = attend_tiles(
+        q, m_i, l_i, acc, start, end, end, end, table, k_head, v_head, stride_k_slot,
+        stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, True, False,
+        INTERPRETED,
+    )  # fmt: skip
 
     if WRITE_OUTPUT:
         # One split: an empty sequence leaves l_i = 0 and acc = 0: its output is zeros.

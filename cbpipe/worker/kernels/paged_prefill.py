@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
+from cbpipe.worker.kernels.tiles import attend_tiles
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -71,77 +72,6 @@ _Q_TILE_BYTES = 32 * 1024
 _MAX_BLOCK_N = 128
 _KV_TILE_BYTES = 16 * 1024
 _NUM_STAGES = 2
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    m_i,
-    l_i,
-    acc,
-    tile,
-    end,
-    row_pos,
-    table,
-    k_head,
-    v_head,
-    stride_k_slot,
-    stride_v_slot,
-    qk_scale,
-    dims,
-    dim_ok,
-    io_dtype: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """Online-softmax update of (m_i, l_i, acc) with the keys at positions tile .. tile+BLOCK_N.
-
-    CAUSAL False: every key of the tile is below ``end`` and visible to every row, so no
-    position masks are needed.
-    """
-    pos = tile + tl.arange(0, BLOCK_N)
-    if CAUSAL:
-        # Keys at or past ``end`` are never read: the table row may end there.
-        pos_ok = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        k_mask = pos_ok[None, :] & dim_ok[:, None]
-        v_mask = pos_ok[:, None] & dim_ok[None, :]
-    else:
-        block = tl.load(table + pos // BLOCK_SIZE)
-        k_mask = dim_ok[:, None]  # broadcast by tl.load
-        v_mask = dim_ok[None, :]
-    # int64: slot * stride overflows int32 on caches of a few GB.
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-
-    # Loaded transposed, [BLOCK_D, BLOCK_N], so the product needs no tl.trans.
-    k = tl.load(
-        k_head + slot[None, :] * stride_k_slot + dims[:, None],
-        mask=k_mask,
-        other=0.0,
-    )
-    # "ieee": float32 inputs would otherwise be rounded to tf32; 16-bit ones ignore it.
-    scores = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale
-    if CAUSAL:
-        # Every row sees key ``tile`` of the first causal tile (see the caller), so each row's
-        # running max is finite from then on and fully masked rows of later tiles add
-        # exp2(-inf) = 0, never NaN.
-        scores = tl.where(pos[None, :] <= row_pos[:, None], scores, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-
-    v = tl.load(
-        v_head + slot[:, None] * stride_v_slot + dims[None, :],
-        mask=v_mask,
-        other=0.0,
-    )
-    # p is rounded to the input dtype as on the GPU, whether or not the dot is upcast.
-    p = p.to(io_dtype).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision="ieee")
-    return m_new, l_i, acc
 
 
 # The table's row stride is the step's block-table width, which changes from step to step;
@@ -226,102 +156,17 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if INTERPRETED:
-        # Triton 3.6's interpreter turns range() bounds into ints with int() of a 1-element
-        # array, which numpy >= 2.5 refuses; a while loop only needs bool().
-        tile = 0
-        while tile < full_end:
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                tile,
-                end,
-                row_pos,
-                table,
-                k_head,
-                v_head,
-                stride_k_slot,
-                stride_v_slot,
-                qk_scale,
-                dims,
-                dim_ok,
-                io_dtype,
-                BLOCK_SIZE,
-                BLOCK_N,
-                False,
-            )
-            tile += BLOCK_N
-        tile = full_end
-        while tile < end:
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                tile,
-                end,
-                row_pos,
-                table,
-                k_head,
-                v_head,
-                stride_k_slot,
-                stride_v_slot,
-                qk_scale,
-                dims,
-                dim_ok,
-                io_dtype,
-                BLOCK_SIZE,
-                BLOCK_N,
-                True,
-            )
-            tile += BLOCK_N
-    else:
-        for tile in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                tile,
-                end,
-                row_pos,
-                table,
-                k_head,
-                v_head,
-                stride_k_slot,
-                stride_v_slot,
-                qk_scale,
-                dims,
-                dim_ok,
-                io_dtype,
-                BLOCK_SIZE,
-                BLOCK_N,
-                False,
-            )
-        for tile in range(full_end, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                tile,
-                end,
-                row_pos,
-                table,
-                k_head,
-                v_head,
-                stride_k_slot,
-                stride_v_slot,
-                qk_scale,
-                dims,
-                dim_ok,
-                io_dtype,
-                BLOCK_SIZE,
-                BLOCK_N,
-                True,
-            )
+    # Whole tiles first, every key visible to every row; then the causal ones.
+    m_i, l_i, acc = attend_tiles(
+        q, m_i, l_i, acc, 0, full_end, end, row_pos, table, k_head, v_head, stride_k_slot,
+        stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, False, False,
+        INTERPRETED,
+    )  # fmt: skip
+    m_i, l_i, acc = attend_tiles(
+        q, m_i, l_i, acc, full_end, end, end, row_pos, table, k_head, v_head, stride_k_slot,
+        stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, True, True,
+        INTERPRETED,
+    )  # fmt: skip
 
     # l_i >= 1 on every valid row (it sees at least its own key); the guard only keeps a
     # caller's context_len < q_len from dividing by zero.

@@ -1,0 +1,125 @@
+"""The online-softmax step both paged attention kernels share: a range of key tiles.
+
+A tile is ``BLOCK_N`` consecutive key positions of one sequence, each looked up in its block
+table, so any block size works with the same tile. ``(m_i, l_i, acc)`` is the running state
+of a program's query rows: max score, sum of weights and unnormalised output, float32, in the
+base-2 domain (``qk_scale`` already holds log2(e)).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    tile,
+    end,
+    row_pos,
+    table,
+    k_head,
+    v_head,
+    stride_k_slot,
+    stride_v_slot,
+    qk_scale,
+    dims,
+    dim_ok,
+    io_dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_END: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Update the state with the keys at positions tile .. tile+BLOCK_N.
+
+    MASK_END: keys at or past ``end`` are masked and never read (the table row may end
+    there); without it every key of the tile is below ``end``. CAUSAL: row r sees only keys
+    at or before ``row_pos[r]``.
+    """
+    pos = tile + tl.arange(0, BLOCK_N)
+    if MASK_END:
+        pos_ok = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        k_mask = pos_ok[None, :] & dim_ok[:, None]
+        v_mask = pos_ok[:, None] & dim_ok[None, :]
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE)
+        k_mask = dim_ok[:, None]  # broadcast by tl.load
+        v_mask = dim_ok[None, :]
+    # int64: slot * stride overflows int32 on caches of a few GB.
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    # Loaded transposed, [BLOCK_D, BLOCK_N], so the product needs no tl.trans.
+    k = tl.load(k_head + slot[None, :] * stride_k_slot + dims[:, None], mask=k_mask, other=0.0)
+    # "ieee": float32 inputs would otherwise be rounded to tf32; 16-bit ones ignore it.
+    scores = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale
+    if CAUSAL:
+        scores = tl.where(pos[None, :] <= row_pos[:, None], scores, float("-inf"))
+    elif MASK_END:
+        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+
+    # The callers make every row see a key in its first tile, so each row's running max is
+    # finite from then on, and fully masked rows of later tiles add exp2(-inf) = 0, not NaN.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v = tl.load(v_head + slot[:, None] * stride_v_slot + dims[None, :], mask=v_mask, other=0.0)
+    # p is rounded to the input dtype as on the GPU, whether or not the dot is upcast.
+    p = p.to(io_dtype).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attend_tiles(
+    q,
+    m_i,
+    l_i,
+    acc,
+    start,
+    stop,
+    end,
+    row_pos,
+    table,
+    k_head,
+    v_head,
+    stride_k_slot,
+    stride_v_slot,
+    qk_scale,
+    dims,
+    dim_ok,
+    io_dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_END: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """``_attend_tile`` for the tiles starting at start, start+BLOCK_N, ... below ``stop``."""
+    if INTERPRETED:
+        # Triton 3.6's interpreter turns range() bounds into ints with int() of a 1-element
+        # array, which numpy >= 2.5 refuses; a while loop only needs bool().
+        tile = start
+        while tile < stop:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, end, row_pos, table, k_head, v_head, stride_k_slot,
+                stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, MASK_END,
+                CAUSAL,
+            )  # fmt: skip
+            tile += BLOCK_N
+    else:
+        # A for loop, which Triton software-pipelines (num_stages); a while loop it does not.
+        for tile in range(start, stop, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, end, row_pos, table, k_head, v_head, stride_k_slot,
+                stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, MASK_END,
+                CAUSAL,
+            )  # fmt: skip
+    return m_i, l_i, acc
