@@ -13,14 +13,13 @@ in place. Run them with ``pytest tests/unit/test_paged_decode_kernel.py -m gpu``
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
-from tests.unit.triton_interpreter import emit, require_triton, run_interpreted
+from tests.unit.triton_interpreter import check_each, emit, require_triton, run_interpreted
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Worst absolute error allowed against the float32 reference (outputs are O(1)). 16-bit
@@ -164,12 +163,7 @@ def _interpreter_main() -> None:
     """Subprocess entry: every CPU case under the interpreter, one JSON line on stdout."""
     from cbpipe.worker.kernels.paged_decode import num_splits_for
 
-    results: dict[str, object] = {}
-    for case in CPU_CASES:
-        try:
-            results[case.name] = check_case(case, torch.device("cpu"))
-        except Exception:
-            results[case.name] = {"error": traceback.format_exc()}
+    results = check_each(CPU_CASES, lambda case: check_case(case, torch.device("cpu")))
     results["num_splits_for"] = [num_splits_for(pairs, sms) for pairs, sms, _ in SPLIT_HEURISTIC]
     emit(results)
 

@@ -14,14 +14,13 @@ chunk starts, context lengths and tables in place. Run them with
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
-from tests.unit.triton_interpreter import emit, require_triton, run_interpreted
+from tests.unit.triton_interpreter import check_each, emit, require_triton, run_interpreted
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Error allowed against the float32 reference: |got - want| <= atol + rtol * |want|. 16-bit
@@ -309,12 +308,7 @@ def _interpreter_main() -> None:
     """Subprocess entry: every CPU case under the interpreter, one JSON line on stdout."""
     from cbpipe.worker.kernels.paged_prefill import launch_config
 
-    results: dict[str, object] = {}
-    for case in CPU_CASES:
-        try:
-            results[case.name] = check_case(case, torch.device("cpu"))
-        except Exception:
-            results[case.name] = {"error": traceback.format_exc()}
+    results = check_each(CPU_CASES, lambda case: check_case(case, torch.device("cpu")))
     results["launch_config"] = [launch_config(*args) for args, _ in LAUNCH_DEFAULTS]
     results["rejected"] = _rejected_inputs()
     emit(results)

@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,17 @@ def run_interpreted(module: str) -> dict[str, Any]:
             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
     return json.loads(lines[-1][len(_RESULT_PREFIX) :])
+
+
+def check_each(cases: Iterable[Any], check: Callable[[Any], object]) -> dict[str, object]:
+    """In the subprocess: ``check(case)`` keyed by ``case.name``, or the error it raised."""
+    results: dict[str, object] = {}
+    for case in cases:
+        try:
+            results[case.name] = check(case)
+        except Exception:
+            results[case.name] = {"error": traceback.format_exc()}
+    return results
 
 
 def emit(results: dict[str, object]) -> None:
