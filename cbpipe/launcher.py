@@ -8,7 +8,6 @@ folder of ipc sockets. It creates both before the children start and removes bot
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import logging
 import multiprocessing as mp
@@ -28,7 +27,12 @@ from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import EngineAddresses, RunSpec
-from cbpipe.protocol.shm import SHM_DIR, create_segment, new_segment_name, remove_segment
+from cbpipe.protocol.shm import (
+    create_segment,
+    new_segment_name,
+    remove_segment,
+    unlink_segment,
+)
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 
 log = logging.getLogger("cbpipe.launcher")
@@ -197,8 +201,7 @@ def _on_launcher_death(spec: RunSpec, signum: int, frame: FrameType | None) -> N
     Both children do it; whichever comes second finds nothing left. The mappings and the
     connected sockets the processes hold keep working until they exit.
     """
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(SHM_DIR, spec.segment_name))
+    unlink_segment(spec.segment_name)
     shutil.rmtree(spec.run_dir, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGTERM)
 

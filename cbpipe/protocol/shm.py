@@ -1,7 +1,7 @@
 """Creating and attaching the shared-memory segment that holds the slots.
 
-The launcher creates the segment (``multiprocessing.shared_memory``, so Python's resource
-tracker removes it even if the launcher is killed) and unlinks it when it stops. Children
+The launcher creates the segment (``multiprocessing.shared_memory``) and unlinks it when it
+stops; if it is killed outright, its children unlink it by name (``cbpipe.launcher``). Children
 attach by mapping ``/dev/shm/<name>`` directly: attaching through ``SharedMemory`` would
 register the segment with the child's resource tracker, which unlinks it when the child
 exits, or warns about a "leak" that is not one. Linux only, like the CUDA servers we target.
@@ -34,6 +34,12 @@ def remove_segment(segment: shared_memory.SharedMemory) -> None:
     segment.close()
     with contextlib.suppress(FileNotFoundError):
         segment.unlink()
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment by name, from a process that did not create it; gone already is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
 
 
 class AttachedSegment:
