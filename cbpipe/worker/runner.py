@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +151,9 @@ class StepRunner:
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
         self._decode_model = torch.compile(model, dynamic=True) if compile_decode else model
+        # Sampling too: its reductions over the vocabulary fuse into a kernel or two. Only in
+        # graphs, whose variants (greedy or not, no top-k/top-p) all compile at capture.
+        self._decode_sample = torch.compile(sample, dynamic=True) if compile_decode else sample
         heads = model.config.get_text_config().num_attention_heads
         self.kv_group_size = heads // kv_cache.keys[0].shape[1]  # query heads per KV head
         max_seqs = layout.limits.max_seqs
@@ -171,9 +174,11 @@ class StepRunner:
         """Run eager steps of every shape class a server meets, before it serves.
 
         Triton compiles a kernel on the host the first time a launch needs a new variant
-        (tile sizes follow the longest query; an argument equal to 1 is specialised), for a
-        second or more each: in an H200 run the first prefill steps took 1.3-1.7 s instead
-        of 70 ms, with the device idle. So each eager step's variants are met here: one
+        (tile sizes follow the longest query; whether a decode splits its keys follows the
+        batch size; arguments that change between steps are not specialised, see
+        ``kernels.tiles.jit_varying``), for a second or more each: in an H200 run the first
+        prefill steps took 1.3-1.7 s instead of 70 ms, with the device idle. So each eager
+        step's variants are met here: one
         decode row beside a prefill of every power-of-two length up to the slots' token
         limit, and decode-only steps of every power-of-two batch up to the slots' width. The
         steps read and write only the cache's padding block, through slot 0's own buffers (so
@@ -400,7 +405,7 @@ class StepRunner:
         )
         positions = inputs["positions"][:batch]
         logits = self._forward(self._decode_model, input_ids, positions, paged, logits_rows=0)
-        self._sample(slot, logits, batch, all_greedy, needs_top_k_top_p=False)
+        self._sample(slot, logits, batch, all_greedy, False, sampler=self._decode_sample)
 
     def _carry_over(
         self, inputs: dict[str, torch.Tensor], num_rows: int, valid: torch.Tensor | None
@@ -435,9 +440,12 @@ class StepRunner:
         num_seqs: int,
         all_greedy: bool,
         needs_top_k_top_p: bool,
+        sampler: Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]] = (
+            sample
+        ),
     ) -> None:
         inputs = slot.inputs
-        ids, logprobs = sample(
+        ids, logprobs = sampler(
             logits,
             SamplingInputs(
                 temperature=inputs["temperature"][:num_seqs],

@@ -34,7 +34,6 @@ class SamplingInputs:
 def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Return sampled ids ``[num_seqs]`` (int64) and their log-probabilities (float32)."""
     logits = logits.float()  # [num_seqs, vocab]
-    logprobs = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1)
     if inputs.all_greedy:
         ids = greedy
@@ -48,7 +47,10 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
         gumbel = -torch.log(-torch.log(uniform))
         sampled = (scaled + gumbel).argmax(dim=-1)
         ids = torch.where(inputs.temperature == 0, greedy, sampled)
-    return ids, logprobs.gather(-1, ids[:, None])[:, 0]
+    # log p = logit - logsumexp: one reduction over the vocabulary instead of a whole
+    # log-softmax written out and gathered from (the 8B decode step spent 31 us on it).
+    chosen = logits.gather(-1, ids[:, None])[:, 0]
+    return ids, chosen - torch.logsumexp(logits, dim=-1)
 
 
 def _apply_top_k_top_p(

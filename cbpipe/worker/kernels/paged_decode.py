@@ -46,11 +46,11 @@ import triton
 import triton.language as tl
 
 from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
-from cbpipe.worker.kernels.tiles import attend_tiles
+from cbpipe.worker.kernels.tiles import attend_tiles, jit_varying
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
-_MAX_SPLITS = 64
+_MAX_SPLITS = 64  # a power of two: the merge kernel's one padded width
 # Launch settings, tuned on an H200 with ``scripts/bench_attention.py --sweep`` (which
 # overrides these module attributes). A K or V tile holds at most _TILE_BYTES: with two of
 # them per stage, two stages stay well inside the 228 KB of shared memory of an SM, so
@@ -64,7 +64,7 @@ _SPLIT_PROGRAMS_PER_SM = 2
 
 
 # The split count follows the batch size; specialising on it would compile variants mid-run.
-@triton.jit(do_not_specialize=["num_splits"])
+@jit_varying("tables_ptr", "width_ptr", "context_lens_ptr", "num_splits")
 def _split_kv_kernel(
     q_ptr,
     k_ptr,
@@ -152,7 +152,7 @@ def _split_kv_kernel(
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@jit_varying("num_splits")
 def _merge_splits_kernel(
     part_max_ptr,
     part_sum_ptr,
@@ -343,7 +343,9 @@ def paged_decode_attention(
             num_splits,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            # One variant for every split count of the default policy, so the split count,
+            # which follows the batch size, never compiles a new merge kernel mid-run.
+            SPLITS_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
         )
     return out
 

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
-from cbpipe.worker.kernels.tiles import attend_tiles
+from cbpipe.worker.kernels.tiles import attend_tiles, jit_varying
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -74,9 +74,9 @@ _KV_TILE_BYTES = 16 * 1024
 _NUM_STAGES = 2
 
 
-# The table's row stride is the step's block-table width, which changes from step to step;
-# specialising on it (== 1, divisible by 16) would compile new variants mid-run.
-@triton.jit(do_not_specialize=["stride_table"])
+# The table's row stride is the step's block-table width, and the metadata pointers start
+# past the step's decode rows: both change from step to step.
+@jit_varying("tables_ptr", "query_start_ptr", "context_lens_ptr", "stride_table")
 def _prefill_kernel(
     q_ptr,
     k_ptr,
