@@ -52,6 +52,12 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(256, "most sequences in one step")
     max_batch_tokens: int = _opt(2048, "most tokens (prefill chunks + decodes) in one step")
     sync: bool = _opt(False, "wait for each step's tokens before packing the next")
+    steps_in_flight: int = _opt(
+        3,
+        "steps sent to the worker and not yet answered, in async mode: 2 packs step N+1 while "
+        "N runs; 3 also sends N+2, so the round trip of N's tokens to the scheduler and of the "
+        "next step back hides behind two device steps instead of one (--sync is 1)",
+    )
     debug_scheduler_delay_ms: float = _opt(
         0.0, "add this much CPU time to every step's packing (to show what asynchrony hides)"
     )
@@ -116,6 +122,7 @@ class EngineConfig:
                 self.worker.max_graph_batch is None or self.worker.max_graph_batch >= 1,
                 "--max-graph-batch must be >= 1",
             ),
+            (s.steps_in_flight >= 2, "--steps-in-flight must be >= 2 (--sync runs one)"),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
             (c.block_size >= 1, "--block-size must be >= 1"),
             (c.num_blocks is None or c.num_blocks >= 1, "--num-blocks must be >= 1"),

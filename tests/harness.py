@@ -95,6 +95,7 @@ class InProcessEngine:
     compile_decode: bool = False
     prefill_backend: str = "auto"  # "triton" on the CPU: the varlen kernel, interpreted
     fuse_projections: bool = True
+    steps_in_flight: int = 3  # in async mode, as the engine's default
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
@@ -103,7 +104,7 @@ class InProcessEngine:
         limits = SlotLimits(
             self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
-        self.layout = SlotLayout.build(limits)
+        self.layout = SlotLayout.build(limits, num_slots=self.steps_in_flight)
         # Page-aligned, like a shared-memory segment, so CUDA can register it.
         self.segment = memoryview(mmap.mmap(-1, self.layout.segment_nbytes))
         self.blocks = BlockManager(self.num_blocks, self.block_size)
@@ -151,9 +152,10 @@ class InProcessEngine:
         cancel_probability: float = 0.0,
         max_steps: int = 100_000,
     ) -> list[Request]:
-        """Run until idle. ``mode`` "random" flips between async and sync at every step.
+        """Run until idle. ``mode`` "random" picks anew at every step how many steps may be in
+        flight, from sync (one) to ``steps_in_flight``.
 
-        On CUDA two steps really are in flight at once in async mode, as in the worker.
+        On CUDA the steps really are in flight at once in async mode, as in the worker.
 
         ``arrivals`` maps a step number to requests submitted just before it.
         """
@@ -169,7 +171,9 @@ class InProcessEngine:
                 added.append(self.add(prompt, params))
             if not arrivals and not self.scheduler.requests and not in_flight:
                 break
-            depth = 2 if mode == "async" or (mode == "random" and rng.random() < 0.5) else 1
+            depth = 1 if mode == "sync" else self.steps_in_flight
+            if mode == "random":
+                depth = rng.randint(1, self.steps_in_flight)
             if len(in_flight) < depth and self.scheduler.has_work:
                 plan = self.scheduler.schedule()
                 if plan.seqs:

@@ -2,8 +2,10 @@
 
 Pure: no sockets, no shared memory, no clock. ``schedule()`` returns a ``StepPlan``;
 ``update(plan, sampled_ids)`` applies the worker's results for that plan. With asynchronous
-scheduling, ``schedule()`` for step N+1 runs before ``update()`` for step N: requests in step
-N have a pending token, and their rows in N+1 carry it over on the device.
+scheduling, ``schedule()`` for step N+1 runs before ``update()`` for step N (and, three steps
+deep, for step N+2 before ``update()`` for N): requests in step N have a pending token, and
+their rows in N+1 carry it over on the device. Carry-over reads only the previous step's
+samples, so a request whose pending token comes from an older step waits for its result.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class Scheduler:
     # --- one step -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plan the next step. Call only when no more than one earlier step is unresolved."""
+        """Plan the next step; any number of earlier steps may still be unresolved."""
         step = self._next_step
         self._next_step += 1
         budget = self.max_batch_tokens
@@ -125,6 +127,8 @@ class Scheduler:
             num_to_compute = req.num_tokens_to_compute
             if not self._can_schedule(req, num_to_compute):
                 continue
+            if req.num_pending_tokens and req.pending_step != step - 1:
+                continue  # left out of the last step: its token is not there to carry over
             num_new = min(num_to_compute, budget)
             if not self._reserve_blocks(req, num_new, preempted):
                 continue  # req itself was preempted
@@ -151,7 +155,7 @@ class Scheduler:
         chosen.sort(key=lambda item: item[1] != 1)
         return StepPlan(
             step,
-            [self._commit(req, n, i) for i, (req, n) in enumerate(chosen)],
+            [self._commit(req, n, step, i) for i, (req, n) in enumerate(chosen)],
             preempted,
             self.tables.rows,
         )
@@ -214,12 +218,12 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
-    def _commit(self, req: Request, num_new: int, seq_index: int) -> ScheduledSeq:
+    def _commit(self, req: Request, num_new: int, step: int, seq_index: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         carry_src = None
         if req.num_pending_tokens:
-            # Only a decode row can need the pending token, and only from the previous step.
-            assert num_new == 1 and start == req.num_known_tokens
+            # Only a decode row can need a pending token: the newest, from the previous step.
+            assert num_new == 1 and start == req.num_tokens - 1 and req.pending_step == step - 1
             carry_src = req.pending_seq_index
         req.num_computed_tokens += num_new
         samples = req.num_computed_tokens == req.num_tokens
@@ -227,6 +231,7 @@ class Scheduler:
         if samples:
             req.num_pending_tokens += 1
             req.pending_seq_index = seq_index
+            req.pending_step = step
         return ScheduledSeq(req, start, num_new, samples, carry_src, output_index)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

@@ -4,8 +4,10 @@ Slot ownership on the scheduler side (the worker's side is in ``worker/runner.py
 scheduler writes a slot's input region only while no step it sent into that slot is
 unanswered, and reads the slot's output region only after the ``StepDone`` for that step.
 Steps use the slots in turn and complete in order, so slot ``step % num_slots`` is free once
-the step sent ``num_slots`` steps ago is done; with at most two steps in flight, packing
-step N+1 overlaps the worker's step N.
+the step sent ``num_slots`` steps ago is done. With two steps in flight, packing step N+1
+overlaps the worker's step N; with three, step N+2 is packed while N+1 waits behind N, so
+the time from N's end to the worker holding N+2 (N's tokens reach the scheduler, are applied,
+N+2 is planned, packed and sent) may take up to two device steps instead of one.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class EngineLoop:
         steps_socket: zmq.Socket,
         results_socket: zmq.Socket,
         worker_monitor: zmq.Socket,
-        sync: bool,
+        max_in_flight: int,
         pack_delay_s: float,
         record_steps: bool = False,
     ) -> None:
@@ -76,7 +78,12 @@ class EngineLoop:
         self.steps_socket = steps_socket
         self.results_socket = results_socket
         self.worker_monitor = worker_monitor
-        self.max_in_flight = 1 if sync else 2
+        if not 1 <= max_in_flight <= packer.layout.num_slots:
+            raise ValueError(
+                f"{max_in_flight} steps in flight need as many slots; the layout has "
+                f"{packer.layout.num_slots}"
+            )
+        self.max_in_flight = max_in_flight
         self.pack_delay_s = pack_delay_s
         self.records: list[StepRecord] | None = [] if record_steps else None
         self.collector = CollectorPacing()

@@ -48,7 +48,8 @@ class Request:
     ``num_computed_tokens`` counts tokens whose KV entries are written, or will be by a step
     already sent, so the scheduler can plan the next step before the last one is back. While
     step N+1 is planned and step N is not yet applied, a decoding request has two pending
-    tokens; when a step is planned, only the previous step's token can still be pending.
+    tokens (three, when N+2 is planned before N is applied); a row carries over only the
+    newest, sampled by the previous step.
     """
 
     request_id: int
@@ -61,7 +62,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
-    # Sequence index, in the step that will sample the pending token, of this request's row.
+    # The step that samples the newest pending token, and this request's row (sequence
+    # index) in it.
+    pending_step: int = -1
     pending_seq_index: int | None = None
     block_ids: list[int] = field(default_factory=list)
     table_row: int | None = None  # its row in the scheduler's BlockTables while running

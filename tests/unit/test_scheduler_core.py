@@ -79,6 +79,47 @@ def test_async_planning_carries_pending_tokens_from_the_previous_step() -> None:
     assert scheduler.is_idle and scheduler.blocks.num_free_blocks == 64
 
 
+def test_three_steps_deep_each_row_carries_the_previous_steps_token() -> None:
+    scheduler = make_scheduler()
+    req = make_request(1, 3, max_new_tokens=4)
+    scheduler.add_request(req)
+    plans = [scheduler.schedule() for _ in range(3)]  # none of their tokens known yet
+    assert [(s.start, s.carry_src, s.output_index) for p in plans for s in p.seqs] == [
+        (0, None, 0),
+        (3, 0, 1),
+        (4, 0, 2),
+    ]
+    assert req.num_pending_tokens == 3 and req.pending_step == 2
+    scheduler.update(plans[0], [7])
+    fourth = scheduler.schedule()
+    assert [(s.start, s.carry_src, s.output_index) for s in fourth.seqs] == [(5, 0, 3)]
+    for plan, token in zip([*plans[1:], fourth], [8, 9, 6], strict=True):
+        scheduler.update(plan, [token])
+    assert req.output_token_ids == [7, 8, 9, 6] and req.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_a_request_left_out_of_the_last_step_waits_for_its_token() -> None:
+    """Carry-over reads only the previous step's samples: a token pending from an older step
+    cannot be carried, so the request sits out until that step's result is applied."""
+    scheduler = make_scheduler(max_batch_tokens=4)
+    short, long = make_request(1, 2, max_new_tokens=5), make_request(2, 6, max_new_tokens=5)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    step0 = scheduler.schedule()
+    assert [(s.req, s.num_query_tokens) for s in step0.seqs] == [(short, 2), (long, 2)]
+    # Put the long prompt first, as a re-admission after preemption can: its chunk then
+    # takes the whole budget of step 1 and the short request, pending from step 0, sits out.
+    scheduler.running.reverse()
+    step1 = scheduler.schedule()
+    assert [(s.req, s.num_query_tokens) for s in step1.seqs] == [(long, 4)]
+    step2 = scheduler.schedule()  # budget left, but short's token is still two steps back
+    assert [(s.req, s.carry_src) for s in step2.seqs] == [(long, 0)]
+    scheduler.update(step0, [7, 0])
+    step3 = scheduler.schedule()
+    assert [(s.req, s.start, s.carry_src) for s in step3.seqs] == [(long, 7, 0), (short, 2, None)]
+    assert short.output_token_ids == [7]
+
+
 def test_a_row_after_eos_is_wasted_not_applied() -> None:
     scheduler = make_scheduler()
     req = make_request(1, 2, max_new_tokens=10)
