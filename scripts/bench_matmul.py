@@ -13,23 +13,14 @@ reports the weight bytes read per second against the device's measured copy band
 Each shape cycles through enough copies of its weight to exceed the L2 cache, as the layers of
 a real model do, and the loop is replayed from a CUDA graph so launch overhead does not count.
 
-``--candidate`` also times a split-K Triton kernel written for these skinny products (a few
-rows, a large weight read once), over a sweep of its tile sizes, split counts, warps and
-stages, against cuBLAS for the fused layer's products at the first ``--batch``; it reports
-the best configuration per product and what the layer would take with the better of the two
-for each. The kernel is an experiment: nothing in the engine uses it unless it wins here.
-Its split-K partial sums are reduced in a fixed order, so results do not vary between runs.
-``--self-check`` runs the kernel against ``x @ w.T`` at tiny sizes and exits: on a GPU if
-there is one, else under Triton's CPU interpreter.
+A split-K Triton kernel for these products was swept against cuBLAS on an H200 (commit
+1215f6b, docs/PERFORMANCE.md) and lost or tied on every one, so the engine keeps cuBLAS.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 import json
-import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -94,182 +85,13 @@ def time_product(
     return statistics.median(samples)
 
 
-# --- the candidate kernel ------------------------------------------------------------------
-
-
-@functools.cache
-def _kernels():  # type: ignore[no-untyped-def]
-    """Compiled lazily: triton reads TRITON_INTERPRET when imported."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def split_k_kernel(
-        x_ptr, w_ptr, part_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om, k_per_split,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
-    ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = pid_k * k_per_split + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, k_per_split, BLOCK_K):
-            x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
-            w = tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        if SPLIT_K == 1:
-            out = out_ptr + rm[:, None] * stride_om + rn[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(part_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
-
-    @triton.jit
-    def reduce_kernel(
-        part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < M * N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):  # a fixed order: the same sums every run
-            acc += tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0)
-        out = out_ptr + (offs // N) * stride_om + offs % N
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    return triton, split_k_kernel, reduce_kernel
-
-
-def split_k_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    *,
-    block_n: int = 64,
-    block_k: int = 256,
-    split_k: int = 4,
-    num_warps: int = 4,
-    num_stages: int = 4,
-) -> torch.Tensor:
-    """``x @ w.T`` for a few rows of ``x``: programs over column blocks and K ranges."""
-    triton, split_k_kernel, reduce_kernel = _kernels()
-    (m, k), n = x.shape, w.shape[0]
-    if k % (split_k * block_k):
-        raise ValueError(f"K={k} is not a multiple of split_k x block_k = {split_k * block_k}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("x and w need contiguous rows")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = (
-        out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    )
-    block_m = max(16, triton.next_power_of_2(m))
-    grid = (triton.cdiv(n, block_n), split_k)
-    split_k_kernel[grid](
-        x, w, part, out, m, n, x.stride(0), w.stride(0), out.stride(0), k // split_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    if split_k > 1:
-        block = 1024
-        reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, out, m, n, out.stride(0), SPLIT_K=split_k, BLOCK=block
-        )
-    return out
-
-
-def candidate_configs(in_features: int) -> list[dict[str, int]]:
-    configs = []
-    for block_n, block_k, split_k, num_warps, num_stages in itertools.product(
-        (32, 64), (128, 256), (1, 2, 4, 8), (4,), (3, 5)
-    ):
-        if in_features % (block_k * split_k) == 0:
-            configs.append(
-                {
-                    "block_n": block_n,
-                    "block_k": block_k,
-                    "split_k": split_k,
-                    "num_warps": num_warps,
-                    "num_stages": num_stages,
-                }
-            )
-    return configs
-
-
-def self_check() -> None:
-    """The candidate against ``x @ w.T`` at sizes the interpreter gets through quickly."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    generator = torch.Generator().manual_seed(0)
-    cases = [(3, 48, 64, 16, 32, 1), (5, 40, 128, 16, 32, 2), (16, 32, 96, 32, 16, 3)]
-    for m, n, k, block_n, block_k, split_k in cases:
-        x = torch.randn(m, k, generator=generator).to(device, dtype)
-        w = torch.randn(n, k, generator=generator).to(device, dtype)
-        got = split_k_linear(
-            x, w, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=1, num_stages=1
-        )
-        want = (x.float() @ w.float().T).to(dtype)
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-        again = split_k_linear(
-            x, w, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=1, num_stages=1
-        )
-        assert torch.equal(got, again), "split-K sums must not vary between runs"
-        print(f"ok: {m} x {k} by {n} x {k}, block_n {block_n}, block_k {block_k}, split {split_k}")
-
-
-def compare_candidate(
-    shapes: dict[str, tuple[int, int]], rows: int, dtype: torch.dtype, iters: int, bandwidth: float
-) -> list[dict]:
-    """Best candidate configuration per fused-layer product against cuBLAS."""
-    print(f"\nsplit-K Triton candidate against cuBLAS, batch {rows}")
-    results = []
-    best_layer = cublas_layer = 0.0
-    for name in ("qkv", "o", "gate_up", "down"):
-        shape = shapes[name]
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        cublas = time_product(rows, shape, dtype, iters)
-        x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
-        w = torch.randn(shape, device="cuda", dtype=dtype) * 0.02
-        best: tuple[float, dict[str, int]] | None = None
-        for config in candidate_configs(shape[1]):
-            product = functools.partial(split_k_linear, **config)
-            torch.testing.assert_close(product(x, w), F.linear(x, w), rtol=2e-2, atol=2e-2)
-            seconds = time_product(rows, shape, dtype, max(5, iters // 4), product)
-            if best is None or seconds < best[0]:
-                best = (seconds, config)
-        assert best is not None
-        seconds, config = best
-        print(
-            f"{name:>8}: cuBLAS {cublas * 1e6:7.1f} us ({nbytes / cublas / bandwidth:.2f} of copy),"
-            f" candidate {seconds * 1e6:7.1f} us ({nbytes / seconds / bandwidth:.2f}) with {config}"
-        )
-        results.append({"product": name, "cublas_s": cublas, "candidate_s": seconds, **config})
-        cublas_layer += cublas
-        best_layer += min(cublas, seconds)
-    print(
-        f"fused layer: cuBLAS {cublas_layer * 1e6:.1f} us, taking the faster of the two per "
-        f"product {best_layer * 1e6:.1f} us"
-    )
-    return results
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random:llama-8b")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--candidate", action="store_true", help="time the split-K kernel too")
-    parser.add_argument("--self-check", action="store_true", help="check the kernel and exit")
     args = parser.parse_args(argv)
-    if args.self_check:
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-        self_check()
-        return 0
     if not torch.cuda.is_available():
         print("bench_matmul needs a CUDA device", file=sys.stderr)
         return 2
@@ -320,15 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{(separate * layers + times['lm_head']) * 1e3:.2f} ms, fused "
             f"{(fused * layers + times['lm_head']) * 1e3:.2f} ms"
         )
-    candidate = (
-        compare_candidate(shapes, args.batch[0], dtype, args.iters, bandwidth)
-        if args.candidate
-        else []
-    )
     if args.json:
         with open(args.json, "w") as f:
             summary = {"model": args.model, "copy_bandwidth": bandwidth, "results": results}
-            json.dump({**summary, "candidate": candidate}, f, indent=1)
+            json.dump(summary, f, indent=1)
     return 0
 
 

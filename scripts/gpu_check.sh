@@ -7,8 +7,6 @@
 #            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)
 #   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
 #            with and without --fuse-projections                                 (~1 min)
-#   gemm     scripts/bench_matmul.py --candidate: the split-K Triton candidate swept against
-#            cuBLAS for the 8B layer's fused products at batch 32                 (~4 min?)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync                                              (~3 min)
 #   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
@@ -144,17 +142,6 @@ if want step; then
         done
     } 2>&1 | tee "$OUT/step.log"
     rcs+=("step=$(grep '^exit code' "$OUT/step.log" | awk '{print $3}' | paste -sd/ -)")
-fi
-
-if want gemm; then
-    {
-        section "split-K candidate against cuBLAS, random:llama-8b, batch 32"
-        timeout -k 10 "${GEMM_TIMEOUT:-420}" "$PY" scripts/bench_matmul.py --self-check
-        timeout -k 10 "${GEMM_TIMEOUT:-420}" "$PY" scripts/bench_matmul.py \
-            --model random:llama-8b --batch 32 --candidate --json "$OUT/matmul.json"
-        echo "exit code $?"
-    } 2>&1 | tee "$OUT/gemm.log"
-    rcs+=("gemm=$(grep '^exit code' "$OUT/gemm.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want bench; then
