@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
 
-SCHEDULER_PID, WORKER_PID = 1, 2
+SCHEDULER_PID, WORKER_PID, WORKER_CPU_PID = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class StepRecord:
     # New tokens streamed to the clients, after the next step is sent (0 in older traces).
     publish_start_ns: int = 0
     publish_end_ns: int = 0
+    # The worker's host side (0 in older traces): step received, step enqueued, outputs
+    # seen in shared memory and reported.
+    worker_recv_ns: int = 0
+    worker_launched_ns: int = 0
+    worker_reported_ns: int = 0
 
     @property
     def is_decode_only(self) -> bool:
@@ -39,10 +44,12 @@ class StepRecord:
 
 
 def write_chrome_trace(records: Iterable[StepRecord], path: str | Path) -> None:
-    """Two rows: the scheduler's CPU phases and the device's compute spans."""
+    """Three rows: the scheduler's CPU phases, the device's compute spans, and the worker's
+    host side (``launch``: received to enqueued; ``report``: the outputs seen, an instant)."""
     events: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": SCHEDULER_PID, "args": {"name": "CPU"}},
         {"ph": "M", "name": "process_name", "pid": WORKER_PID, "args": {"name": "device"}},
+        {"ph": "M", "name": "process_name", "pid": WORKER_CPU_PID, "args": {"name": "worker"}},
     ]
     for r in records:
         args = {"seqs": r.num_seqs, "tokens": r.num_tokens, "decodes": r.num_decodes}
@@ -52,6 +59,19 @@ def write_chrome_trace(records: Iterable[StepRecord], path: str | Path) -> None:
             _span("publish", SCHEDULER_PID, r.publish_start_ns, r.publish_end_ns, r.step, args),
             _span("step", WORKER_PID, r.device_start_ns, r.device_end_ns, r.step, args),
         ]
+        if r.worker_recv_ns:
+            events += [
+                _span("launch", WORKER_CPU_PID, r.worker_recv_ns, r.worker_launched_ns, r.step, {}),
+                {
+                    "ph": "i",
+                    "s": "p",
+                    "name": f"report {r.step}",
+                    "cat": "report",
+                    "pid": WORKER_CPU_PID,
+                    "tid": 0,
+                    "ts": r.worker_reported_ns / 1e3,
+                },
+            ]
     trace = {"traceEvents": events, "cbpipe_steps": [asdict(r) for r in records]}
     Path(path).write_text(json.dumps(trace))
 
@@ -75,6 +95,12 @@ class BusyStats:
     median_step_ms: float
     p99_step_ms: float
     median_scheduler_ms: float  # CPU per step: schedule + pack + update + publish
+    # A step's round trip on the host clock (0 without the worker's times): sent by the
+    # scheduler to received by the worker, received to enqueued, and outputs reported by
+    # the worker to received by the scheduler.
+    median_to_worker_ms: float = 0.0
+    median_launch_ms: float = 0.0
+    median_to_scheduler_ms: float = 0.0
 
 
 def decode_phase(records: Sequence[StepRecord]) -> list[StepRecord]:
@@ -111,7 +137,20 @@ def busy_stats(records: Sequence[StepRecord]) -> BusyStats:
         median_step_ms=median(durations),
         p99_step_ms=_percentile(durations, 0.99),
         median_scheduler_ms=median(cpu),
+        **_round_trip(steps),
     )
+
+
+def _round_trip(steps: Sequence[StepRecord]) -> dict[str, float]:
+    timed = [r for r in steps if r.worker_recv_ns]
+    if not timed:
+        return {}
+    return {
+        "median_to_worker_ms": median(r.worker_recv_ns - r.pack_end_ns for r in timed) / 1e6,
+        "median_launch_ms": median(r.worker_launched_ns - r.worker_recv_ns for r in timed) / 1e6,
+        "median_to_scheduler_ms": median(r.done_recv_ns - r.worker_reported_ns for r in timed)
+        / 1e6,
+    }
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

@@ -75,6 +75,10 @@ class ModeResult:
     median_step_ms: float = 0.0  # decode-only steps
     p99_step_ms: float = 0.0
     median_scheduler_ms: float = 0.0  # scheduler CPU per step: plan + pack + apply + stream
+    # A step's round trip on the host, medians (cbpipe.trace.BusyStats)
+    median_to_worker_ms: float = 0.0
+    median_launch_ms: float = 0.0
+    median_to_scheduler_ms: float = 0.0
     # On CUDA only (None elsewhere), over the decode-only steps:
     decode_s: float | None = None  # their device time
     decode_floor_s: float | None = None  # their bytes over the measured bandwidth
@@ -214,6 +218,9 @@ def run_mode(
         median_step_ms=round(decode_stats.median_step_ms, 3),
         p99_step_ms=round(decode_stats.p99_step_ms, 3),
         median_scheduler_ms=round(stats.median_scheduler_ms, 3),
+        median_to_worker_ms=round(stats.median_to_worker_ms, 3),
+        median_launch_ms=round(stats.median_launch_ms, 3),
+        median_to_scheduler_ms=round(stats.median_to_scheduler_ms, 3),
     )
     return result, outputs
 
@@ -318,6 +325,9 @@ ROWS = (
     ("step ms p50", "median_step_ms", "{:.2f}"),
     ("step ms p99", "p99_step_ms", "{:.2f}"),
     ("sched. CPU ms/step", "median_scheduler_ms", "{:.2f}"),
+    ("to worker ms", "median_to_worker_ms", "{:.3f}"),
+    ("worker launch ms", "median_launch_ms", "{:.3f}"),
+    ("to scheduler ms", "median_to_scheduler_ms", "{:.3f}"),
     ("decode-only device s", "decode_s", "{:.2f}"),
     ("decode floor s", "decode_floor_s", "{:.2f}"),
     ("x floor", "floor_ratio", "{:.2f}"),

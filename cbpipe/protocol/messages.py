@@ -180,6 +180,10 @@ class StepDone(Message):
     recv_ns: int
     device_start_ns: int
     device_end_ns: int
+    # When the worker had enqueued the step, and when it saw the outputs in shared memory
+    # and reported them (host clock): the worker's share of a step's round trip.
+    launched_ns: int = 0
+    reported_ns: int = 0
 
     @property
     def device_ms(self) -> float:

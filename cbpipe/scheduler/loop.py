@@ -234,6 +234,9 @@ def _record(applied: Applied, publish_start_ns: int, publish_end_ns: int) -> Ste
         device_end_ns=message.device_end_ns,
         publish_start_ns=publish_start_ns,
         publish_end_ns=publish_end_ns,
+        worker_recv_ns=message.recv_ns,
+        worker_launched_ns=message.launched_ns,
+        worker_reported_ns=message.reported_ns,
     )
 
 

@@ -140,6 +140,7 @@ def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
         while True:
             if not steps.poll(IDLE_MS):
                 collector.on_idle()  # no step for a while: a full collection costs nothing
+                runner.recalibrate_clock()
                 continue
             message = decode(steps.recv(), expected=(Step, Shutdown))
             if isinstance(message, Shutdown):

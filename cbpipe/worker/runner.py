@@ -92,6 +92,7 @@ class LaunchedStep:
 
     step: Step
     recv_ns: int
+    launched_ns: int
     d2h_done: torch.cuda.Event | None = None
     compute_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     clock: DeviceClock | None = None
@@ -103,7 +104,15 @@ class LaunchedStep:
             assert self.clock is not None
             self.d2h_done.synchronize()
             start_ns, end_ns = (self.clock.host_ns(e) for e in self.compute_events)
-        return StepDone(self.step.step, self.step.slot, self.recv_ns, start_ns, end_ns)
+        return StepDone(
+            self.step.step,
+            self.step.slot,
+            self.recv_ns,
+            start_ns,
+            end_ns,
+            launched_ns=self.launched_ns,
+            reported_ns=time.perf_counter_ns(),
+        )
 
 
 class StepRunner:
@@ -147,6 +156,7 @@ class StepRunner:
         self.compute_done = [self._event() for _ in range(num_slots)]
         self.d2h_done = [self._event() for _ in range(num_slots)]
         self.clock = DeviceClock(device) if self.cuda else None
+        self._last_d2h: torch.cuda.Event | None = None  # the last launched step's outputs copied
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
@@ -288,6 +298,15 @@ class StepRunner:
             header,
         )
 
+    def recalibrate_clock(self) -> None:
+        """Anchor the device clock anew if the device is idle (nothing launched is still
+        running); called when no step has come for a while. Host and device clocks drift
+        apart by parts per million, which over a compiling start-up of 100 s or more is
+        tenths of a millisecond: enough to misplace device spans against the CPU's in a
+        trace of 3 ms steps. A step in flight keeps the clock it was launched with."""
+        if self.cuda and (self._last_d2h is None or self._last_d2h.query()):
+            self.clock = DeviceClock(self.device)
+
     def close(self) -> None:
         if self._registered_ptr is not None:
             torch.cuda.synchronize(self.device)
@@ -344,11 +363,13 @@ class StepRunner:
                     slot.device_output[start : start + nbytes], non_blocking=True
                 )
             self._record(self.d2h_done[k])
+        self._last_d2h = self.d2h_done[k]
+        launched_ns = time.perf_counter_ns()
         if not self.cuda:
-            return LaunchedStep(step, recv_ns, compute_ns=(start_ns, end_ns))
+            return LaunchedStep(step, recv_ns, launched_ns, compute_ns=(start_ns, end_ns))
         assert compute_start is not None and compute_end is not None
         return LaunchedStep(
-            step, recv_ns, self.d2h_done[k], (compute_start, compute_end), self.clock
+            step, recv_ns, launched_ns, self.d2h_done[k], (compute_start, compute_end), self.clock
         )
 
     @torch.inference_mode()

@@ -24,6 +24,9 @@ def test_trace_records_every_step_in_causal_order(tmp_path: Path) -> None:
         assert s.device_end_ns <= s.done_recv_ns <= s.update_end_ns
         # Streaming to clients waits until the next step is sent.
         assert s.update_end_ns <= s.publish_start_ns <= s.publish_end_ns
+        # The worker's side; on the CPU it computes the step while launching it.
+        assert s.pack_end_ns <= s.worker_recv_ns <= s.device_start_ns
+        assert s.device_end_ns <= s.worker_launched_ns <= s.worker_reported_ns <= s.done_recv_ns
     # In the middle of the run the worker's queue is refilled first: between receiving a
     # step's results and streaming them, the next step is sent.
     sent = sorted(s.pack_end_ns for s in steps)
@@ -31,3 +34,5 @@ def test_trace_records_every_step_in_causal_order(tmp_path: Path) -> None:
         assert any(s.done_recv_ns <= t <= s.publish_start_ns for t in sent), f"step {s.step}"
     stats = busy_stats([s for s in steps if s.is_decode_only])
     assert 0 < stats.busy_fraction <= 1
+    assert stats.median_to_worker_ms > 0 and stats.median_to_scheduler_ms > 0
+    assert stats.median_launch_ms > 0

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 from cbpipe.trace import StepRecord, busy_stats, decode_phase, load_steps, write_chrome_trace
 
@@ -35,6 +36,22 @@ def test_chrome_trace_has_cpu_and_gpu_rows_and_round_trips(tmp_path) -> None:
     gpu = sorted((e for e in spans if e["cat"] == "step"), key=lambda e: e["ts"])
     assert gpu[0]["dur"] == 10_000 and gpu[1]["ts"] - gpu[0]["ts"] == 12_000  # microseconds
     assert load_steps(path) == records
+
+
+def test_the_worker_row_and_a_steps_round_trip(tmp_path) -> None:
+    step = record(0, 0, 10)  # sent at 0 ms, results received at 10 ms
+    timed = replace(
+        step, worker_recv_ns=MS // 10, worker_launched_ns=MS // 2, worker_reported_ns=9 * MS
+    )
+    stats = busy_stats([timed])
+    assert abs(stats.median_to_worker_ms - 0.1) < 1e-9
+    assert abs(stats.median_launch_ms - 0.4) < 1e-9
+    assert abs(stats.median_to_scheduler_ms - 1.0) < 1e-9
+    assert busy_stats([step]).median_launch_ms == 0  # an older trace: no worker times
+    path = tmp_path / "trace.json"
+    write_chrome_trace([timed], path)
+    worker = [e for e in json.loads(path.read_text())["traceEvents"] if e["pid"] == 3]
+    assert {e["name"] for e in worker} == {"process_name", "launch 0", "report 0"}
 
 
 def test_decode_phase_keeps_mixed_steps_between_decodes() -> None:
