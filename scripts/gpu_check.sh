@@ -23,7 +23,8 @@
 #   BENCH_1B_REQUESTS=256  requests in the bench part's llama-1b run
 #   BENCH_EXTRA=           more scripts/bench.py flags for every benchmark (word-split; later
 #                          flags win, e.g. "--launch-arg=--no-cuda-graphs")
-#   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes)
+#   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes);
+#                          BENCH_1B_MODES overrides it for the bench part's llama-1b run
 #   BENCH_MODELS=llama8b,llama1b  the bench part's runs
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
 #   PYTEST_K=              a pytest -k expression to run part of the tests
@@ -152,7 +153,8 @@ if want bench; then
             echo "exit code $?"
         fi
         if [[ ",$BENCH_MODELS," == *",llama1b,"* ]]; then
-            bench llama1b --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
+            BENCH_MODES=${BENCH_1B_MODES:-$BENCH_MODES} bench llama1b --model random:llama-1b \
+                --num-requests "$BENCH_1B_REQUESTS" \
                 --prompt-len 128 --output-len "$output_len" --trace-dir "$OUT/traces1b_256"
             echo "exit code $?"
         fi
