@@ -65,8 +65,12 @@ class ModeResult:
     median_ttft_ms: float
     length_errors: int  # results that did not have exactly their output length
     start_ns: int  # perf_counter_ns at the first submit (the clock of the engine's trace)
-    # From the engine's step trace. The decode phase runs from the first decode-only step to
-    # the last, with any mixed (prefill + decode) steps in between:
+    submitted_ns: int  # ... and after the last submit returned
+    # From the engine's step trace, over the steps planned once every request was submitted
+    # (before that, the engine may already step a few early arrivals while the rest are
+    # still on their way: one H200 run decoded one request alone for two steps). The decode
+    # phase runs from the first decode-only step to the last, with any mixed (prefill +
+    # decode) steps in between:
     decode_steps: int = 0  # decode-only steps
     phase_steps: int = 0  # all steps of the decode phase
     device_busy: float = 0.0  # device compute time over the decode phase's span
@@ -194,8 +198,8 @@ def run_mode(
             print(f"engine log:\n{engine.stderr}", file=sys.stderr)
             raise
     # The scheduler writes the trace as it stops; steps of the warm-up come before the
-    # measurement's first submit.
-    measured = [r for r in load_steps(trace) if r.schedule_start_ns >= result.start_ns]
+    # measurement's first submit, and steps of a ramp before its last (ModeResult).
+    measured = [r for r in load_steps(trace) if r.schedule_start_ns >= result.submitted_ns]
     phase = decode_phase(measured)
     decodes = [r for r in phase if r.is_decode_only]
     stats, decode_stats = busy_stats(phase), busy_stats(decodes)
@@ -261,6 +265,7 @@ def measure(
         client.submit(p, max_new_tokens=n, ignore_eos=True)
         for p, n in zip(prompts, output_lens, strict=True)
     ]
+    submitted_ns = time.perf_counter_ns()
     first_token: list[float | None] = [None] * len(jobs)
     watchers = [
         threading.Thread(
@@ -293,6 +298,7 @@ def measure(
         median_ttft_ms=round(statistics.median(ttft_ms), 2) if ttft_ms else float("nan"),
         length_errors=errors,
         start_ns=start_ns,
+        submitted_ns=submitted_ns,
     )
     return result, [r.token_ids for r in results]
 
