@@ -7,6 +7,8 @@
 #            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)
 #   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
 #            with and without --fuse-projections                                 (~1 min)
+#   layout   the step part's graph step with each sequence's KV blocks together, then laid
+#            out as a server's lockstep batch has them (--engine-block-layout)   (~2 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync                                              (~3 min)
 #   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
@@ -143,6 +145,18 @@ if want step; then
         done
     } 2>&1 | tee "$OUT/step.log"
     rcs+=("step=$(grep '^exit code' "$OUT/step.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want layout; then
+    {
+        for layout in "" --engine-block-layout; do
+            section "one decode step, random:llama-8b x32, context 4096, graph ${layout:-(blocks together)}"
+            timeout -k 10 150 "$PY" scripts/profile_step.py --model random:llama-8b --batch 32 \
+                --context 4096 --steps 30 $layout 2>&1 | grep -v '^USDT' | head -30
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+    } 2>&1 | tee "$OUT/layout.log"
+    rcs+=("layout=$(grep '^exit code' "$OUT/layout.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want bench; then

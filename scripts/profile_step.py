@@ -6,6 +6,13 @@ Packs one decode step of ``--batch`` sequences with ``--context`` tokens each (t
 already "computed": the cache holds zeros, which costs the same), runs it repeatedly through
 the real ``StepRunner``, and prints the wall time per step, the device time per step (CUDA
 events) and the top operators from ``torch.profiler``.
+
+By default each sequence's KV blocks lie together in a cache just large enough.
+``--engine-block-layout`` lays them out as a server's batch does when its requests start
+together and decode in lockstep: each sequence's prompt blocks (``--prompt-len``) together,
+then one block per sequence in turn, in a cache sized as the worker sizes it (most of the
+free memory). In an H200 run the engine's 8B step was 4-6% slower than this script's at the
+same context, and the block layout is one of the differences.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import time
 
 import torch
 
+from cbpipe.config import CacheConfig
 from cbpipe.models import resolve_model
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
@@ -25,7 +33,13 @@ from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
-from cbpipe.worker.model_loader import allocate_kv_cache, load_model, resolve_device, resolve_dtype
+from cbpipe.worker.model_loader import (
+    allocate_kv_cache,
+    load_model,
+    num_kv_blocks,
+    resolve_device,
+    resolve_dtype,
+)
 from cbpipe.worker.runner import StepRunner
 
 
@@ -54,6 +68,14 @@ def main() -> None:
     )
     parser.add_argument("--prefill-seqs", type=int, default=1)
     parser.add_argument(
+        "--engine-block-layout",
+        action="store_true",
+        help="KV blocks laid out as a server's lockstep batch has them, in a worker-sized cache",
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=256, help="prompt tokens, for --engine-block-layout"
+    )
+    parser.add_argument(
         "--grow",
         action="store_true",
         help="lengthen the attended key range by one at every step, as real decoding does",
@@ -73,6 +95,10 @@ def main() -> None:
     num_seqs = args.batch + num_prefills
     num_tokens = args.batch + num_prefills * args.prefill_len
     num_blocks = num_seqs * blocks_per_seq
+    if args.engine_block_layout:
+        num_blocks = max(
+            num_blocks, num_kv_blocks(model, CacheConfig(block_size=bs), device, dtype)
+        )
     kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
     layout = SlotLayout.build(SlotLimits(num_tokens, num_seqs, blocks_per_seq))
     segment = memoryview(bytearray(layout.segment_nbytes))
@@ -88,10 +114,19 @@ def main() -> None:
 
     scheduler = Scheduler(BlockManager(num_blocks, bs), max_num_seqs=num_seqs,
                           max_batch_tokens=num_tokens)  # fmt: skip
+    decoding = []
     for i in range(args.batch):
         req = Request(i, [1] * args.context, SamplingParams(1), 0, args.context + 1, frozenset())
         req.num_computed_tokens = args.context - 1  # only the last prompt token is left
-        scheduler.blocks.grow(req.block_ids, blocks_per_seq * bs)
+        if args.engine_block_layout:
+            scheduler.blocks.grow(req.block_ids, min(args.prompt_len, blocks_per_seq * bs))
+        else:
+            scheduler.blocks.grow(req.block_ids, blocks_per_seq * bs)
+        decoding.append(req)
+    for num_tokens in range(args.prompt_len + bs, blocks_per_seq * bs + 1, bs):
+        for req in decoding if args.engine_block_layout else ():
+            scheduler.blocks.grow(req.block_ids, num_tokens)  # one block each, in turn
+    for req in decoding:
         scheduler.add_request(req)
     for i in range(num_prefills):
         prompt = [2] * args.prefill_len
