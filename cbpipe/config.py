@@ -122,7 +122,11 @@ class EngineConfig:
                 self.worker.max_graph_batch is None or self.worker.max_graph_batch >= 1,
                 "--max-graph-batch must be >= 1",
             ),
-            (s.steps_in_flight >= 2, "--steps-in-flight must be >= 2 (--sync runs one)"),
+            (
+                2 <= s.steps_in_flight <= 8,
+                "--steps-in-flight must be in 2..8 (--sync runs one; each step in flight has "
+                "its own slot and CUDA graphs)",
+            ),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
             (c.block_size >= 1, "--block-size must be >= 1"),
             (c.num_blocks is None or c.num_blocks >= 1, "--num-blocks must be >= 1"),

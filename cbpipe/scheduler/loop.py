@@ -4,10 +4,10 @@ Slot ownership on the scheduler side (the worker's side is in ``worker/runner.py
 scheduler writes a slot's input region only while no step it sent into that slot is
 unanswered, and reads the slot's output region only after the ``StepDone`` for that step.
 Steps use the slots in turn and complete in order, so slot ``step % num_slots`` is free once
-the step sent ``num_slots`` steps ago is done. With two steps in flight, packing step N+1
-overlaps the worker's step N; with three, step N+2 is packed while N+1 waits behind N, so
-the time from N's end to the worker holding N+2 (N's tokens reach the scheduler, are applied,
-N+2 is planned, packed and sent) may take up to two device steps instead of one.
+the step sent ``num_slots`` steps ago is done. With ``k`` steps in flight, step N's results
+free the way for step N+k: from N's end to the worker holding N+k (N's tokens reach the
+scheduler, are applied, and N+k is planned, packed and sent), the device has the k-1 steps
+between to run. Two in flight give it one step, three give it two.
 """
 
 from __future__ import annotations

@@ -188,11 +188,10 @@ class StepRunner:
         batch size; arguments that change between steps are not specialised, see
         ``kernels.tiles.jit_varying``), for a second or more each: in an H200 run the first
         prefill steps took 1.3-1.7 s instead of 70 ms, with the device idle. So each eager
-        step's variants are met here: one
-        decode row beside a prefill of every power-of-two length up to the slots' token
-        limit, and decode-only steps of every power-of-two batch up to the slots' width. The
-        steps read and write only the cache's padding block, through slot 0's own buffers (so
-        pointer alignments match the real steps'), and nothing is in flight yet.
+        step's variants are met here: one decode row beside a prefill of every power-of-two
+        length up to the slots' token limit, and decode-only steps of every power-of-two
+        batch up to the slots' width. The steps read and write only the cache's padding
+        block, through slot 0's own buffers, and nothing is in flight yet.
         """
         started = time.perf_counter()
         limits = self.layout.limits

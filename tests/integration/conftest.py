@@ -207,8 +207,9 @@ def shared_engine_flags(name: str) -> tuple[str, ...]:
             "--address",
             free_tcp_address(),
         )
-    if name == "text_engine":
-        return ("--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "512")
+    if name == "text_engine":  # two steps in flight: the other engines run one and three
+        return ("--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "512",
+                "--steps-in-flight", "2")  # fmt: skip
     raise KeyError(name)
 
 

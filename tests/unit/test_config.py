@@ -57,3 +57,8 @@ def test_unknown_options_and_bad_values_are_errors() -> None:
     bad = config.EngineConfig(scheduler=config.SchedulerConfig(max_num_seqs=8, max_batch_tokens=4))
     with pytest.raises(ValueError, match="max-batch-tokens"):
         bad.validate()
+    for depth in (1, 9):
+        deep = config.EngineConfig(scheduler=config.SchedulerConfig(steps_in_flight=depth))
+        with pytest.raises(ValueError, match="steps-in-flight"):
+            deep.validate()
+    config.EngineConfig(scheduler=config.SchedulerConfig(steps_in_flight=2)).validate()
