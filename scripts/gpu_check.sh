@@ -34,6 +34,10 @@
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
 #                          gets TARGET_TIMEOUT=420
 #   PYTHON=python
+#   COMPILE_CACHE=         a folder for torch.compile's and Triton's caches (e.g. .compile-cache,
+#                          ignored by git): a compiled start-up that found them warm took 98 s
+#                          against 167 s cold. The device machine starts bare, so carry the
+#                          folder in and bring it back as $OUT/compile-cache.tgz
 set -uo pipefail
 
 OUT=${OUT:-out}  # the device tool sets it; `make gpu-check` writes to ./out
@@ -53,6 +57,12 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
 read -r -a bench_extra <<<"${BENCH_EXTRA:-}"
 output_len=$((BENCH_OUTPUT_LEN / BENCH_SCALE))
 mkdir -p "$OUT"
+if [ -n "${COMPILE_CACHE:-}" ]; then
+    mkdir -p "$COMPILE_CACHE"
+    COMPILE_CACHE=$(cd "$COMPILE_CACHE" && pwd)
+    export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
+    trap 'tar czf "$OUT/compile-cache.tgz" -C "$COMPILE_CACHE" . 2>/dev/null' EXIT
+fi
 started=$SECONDS
 
 section() { printf '\n===== %s (t=%ds) =====\n' "$*" $((SECONDS - started)); }
