@@ -65,6 +65,11 @@ class SchedulerConfig:
         None, "write a Chrome/Perfetto trace of every step's CPU phases and GPU span here"
     )
 
+    @property
+    def max_in_flight(self) -> int:
+        """Steps sent and not yet answered: one in sync mode."""
+        return 1 if self.sync else self.steps_in_flight
+
 
 @dataclass(frozen=True)
 class WorkerConfig:

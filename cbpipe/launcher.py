@@ -74,8 +74,9 @@ def plan_layout(config: EngineConfig) -> SlotLayout:
         max_seqs=config.scheduler.max_num_seqs,
         max_blocks_per_seq=-(-max_model_len // block_size),
     )
-    # One slot per step in flight: the scheduler writes a slot only once its last step is back.
-    return SlotLayout.build(limits, num_slots=config.scheduler.steps_in_flight)
+    # One slot per step in flight (the scheduler writes a slot only once its last step is
+    # back), and two at least: the layout double-buffers.
+    return SlotLayout.build(limits, num_slots=max(2, config.scheduler.max_in_flight))
 
 
 class Launcher:

@@ -145,11 +145,14 @@ def _round_trip(steps: Sequence[StepRecord]) -> dict[str, float]:
     timed = [r for r in steps if r.worker_recv_ns]
     if not timed:
         return {}
+
+    def median_ms(spans: Iterable[int]) -> float:
+        return median(spans) / 1e6
+
     return {
-        "median_to_worker_ms": median(r.worker_recv_ns - r.pack_end_ns for r in timed) / 1e6,
-        "median_launch_ms": median(r.worker_launched_ns - r.worker_recv_ns for r in timed) / 1e6,
-        "median_to_scheduler_ms": median(r.done_recv_ns - r.worker_reported_ns for r in timed)
-        / 1e6,
+        "median_to_worker_ms": median_ms(r.worker_recv_ns - r.pack_end_ns for r in timed),
+        "median_launch_ms": median_ms(r.worker_launched_ns - r.worker_recv_ns for r in timed),
+        "median_to_scheduler_ms": median_ms(r.done_recv_ns - r.worker_reported_ns for r in timed),
     }
 
 

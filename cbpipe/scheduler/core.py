@@ -222,8 +222,9 @@ class Scheduler:
         start = req.num_computed_tokens
         carry_src = None
         if req.num_pending_tokens:
-            # Only a decode row can need a pending token: the newest, from the previous step.
-            assert num_new == 1 and start == req.num_tokens - 1 and req.pending_step == step - 1
+            # Only a decode row can need a pending token: the newest, from the previous step
+            # (``schedule`` leaves out a request whose token is older).
+            assert num_new == 1 and start == req.num_tokens - 1
             carry_src = req.pending_seq_index
         req.num_computed_tokens += num_new
         samples = req.num_computed_tokens == req.num_tokens

@@ -117,7 +117,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         steps_socket=sockets["steps"],
         results_socket=sockets["results"],
         worker_monitor=sockets["monitor"],
-        max_in_flight=1 if config.scheduler.sync else config.scheduler.steps_in_flight,
+        max_in_flight=config.scheduler.max_in_flight,
         pack_delay_s=config.scheduler.debug_scheduler_delay_ms / 1e3,
         record_steps=config.scheduler.trace is not None,
     )

@@ -35,6 +35,8 @@ from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep, PrefillKer
 from cbpipe.worker.cuda_graphs import DecodeGraphs
 from cbpipe.worker.sampler import SamplingInputs, sample
 
+Sampler = Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]]
+
 log = logging.getLogger(__name__)
 
 _NUM_SEQS = HEADER_FIELDS.index("num_seqs")
@@ -425,7 +427,9 @@ class StepRunner:
         )
         positions = inputs["positions"][:batch]
         logits = self._forward(self._decode_model, input_ids, positions, paged, logits_rows=0)
-        self._sample(slot, logits, batch, all_greedy, False, sampler=self._decode_sample)
+        self._sample(
+            slot, logits, batch, all_greedy, needs_top_k_top_p=False, sampler=self._decode_sample
+        )
 
     def _carry_over(
         self, inputs: dict[str, torch.Tensor], num_rows: int, valid: torch.Tensor | None
@@ -460,9 +464,7 @@ class StepRunner:
         num_seqs: int,
         all_greedy: bool,
         needs_top_k_top_p: bool,
-        sampler: Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]] = (
-            sample
-        ),
+        sampler: Sampler = sample,
     ) -> None:
         inputs = slot.inputs
         ids, logprobs = sampler(
