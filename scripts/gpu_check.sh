@@ -38,6 +38,8 @@
 #                          ignored by git): a compiled start-up that found them warm took 98 s
 #                          against 167 s cold. The device machine starts bare, so carry the
 #                          folder in and bring it back as $OUT/compile-cache.tgz
+# Always written: $OUT/gpu_clocks.csv, nvidia-smi's clocks, power and clock event reasons every
+# 0.5 s, summarised over the samples with the GPU busy at the end of summary.log.
 set -uo pipefail
 
 OUT=${OUT:-out}  # the device tool sets it; `make gpu-check` writes to ./out
@@ -61,8 +63,25 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
     mkdir -p "$COMPILE_CACHE"
     COMPILE_CACHE=$(cd "$COMPILE_CACHE" && pwd)
     export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
-    trap 'tar czf "$OUT/compile-cache.tgz" -C "$COMPILE_CACHE" . 2>/dev/null' EXIT
 fi
+# The GPU's clocks, power and slowdown reasons twice a second for the whole script: a long
+# memory-bound run may be slower per step than a short profile because the GPU holds lower
+# clocks under its power cap, and only a log taken during the run can tell.
+clock_fields=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,utilization.gpu
+clock_monitor=
+for reasons in clocks_event_reasons.active clocks_throttle_reasons.active; do
+    if nvidia-smi --query-gpu="$clock_fields,$reasons" --format=csv >/dev/null 2>&1; then
+        nvidia-smi --query-gpu="$clock_fields,$reasons" --format=csv,nounits -lms 500 \
+            >"$OUT/gpu_clocks.csv" 2>&1 &
+        clock_monitor=$!
+        break
+    fi
+done
+finish() {
+    [ -z "$clock_monitor" ] || kill "$clock_monitor" 2>/dev/null
+    [ -z "${COMPILE_CACHE:-}" ] || tar czf "$OUT/compile-cache.tgz" -C "$COMPILE_CACHE" . 2>/dev/null
+}
+trap finish EXIT
 started=$SECONDS
 
 section() { printf '\n===== %s (t=%ds) =====\n' "$*" $((SECONDS - started)); }
@@ -220,6 +239,20 @@ fi
     echo "PARTS=$PARTS exit codes: ${rcs[*]} (124: timed out); BENCH_SCALE=$BENCH_SCALE"
     echo "total $((SECONDS - started)) s"
     grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log 2>/dev/null || true
+    [ ! -s "$OUT/gpu_clocks.csv" ] || "$PY" - "$OUT/gpu_clocks.csv" <<'EOF'
+import csv, statistics, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 8 and r[6].strip().isdigit()]
+busy = [r for r in rows if int(r[6]) >= 50]  # samples with the GPU at least half busy
+for name, i in (("SM MHz", 1), ("memory MHz", 2), ("power W", 3), ("temperature C", 5)):
+    values = sorted(float(r[i]) for r in busy if r[i].strip().replace(".", "", 1).isdigit())
+    if values:
+        print(f"GPU busy samples: {name} min {values[0]:g} median "
+              f"{statistics.median(values):g} max {values[-1]:g}")
+if busy:
+    reasons = " ".join(sorted({r[7].strip() for r in busy}))
+    print(f"GPU busy samples: {len(busy)}, power limit {busy[0][4].strip()} W, "
+          f"clock event reasons seen: {reasons}")
+EOF
     echo "engine processes left: $(pgrep -f 'cbpipe.launcher' | paste -sd' ' - || true)"
 } 2>&1 | tee "$OUT/summary.log"
 for rc in "${rcs[@]}"; do
