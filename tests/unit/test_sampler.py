@@ -56,3 +56,27 @@ def test_a_seeded_draw_depends_on_seed_and_index_only() -> None:
     later, _ = sample(logits, inputs(8, seeds=torch.arange(8), output_index=4))
     earlier, _ = sample(logits, inputs(8, seeds=torch.arange(8), output_index=3))
     assert not torch.equal(later, earlier)
+
+
+def test_greedy_takes_the_first_maximum_across_the_vocabulary_pieces() -> None:
+    # 128256 = Llama 3's vocabulary, reduced in 64 pieces; 7919 is prime, one piece.
+    for vocab in (128256, 7919, 50):
+        logits = torch.randn(5, vocab)
+        logits[1, [3, vocab - 1]] = 100.0  # a tie in the first and last piece
+        logits[2, [vocab // 2 + 1, vocab - 2]] = 100.0  # a tie inside later pieces
+        logits[3] = 0.0  # all tied: the first token
+        ids, logprobs = sample(logits, inputs(5, temperature=0.0))
+        assert torch.equal(ids, logits.argmax(-1))
+        expected = logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+        assert torch.allclose(logprobs, expected, atol=1e-5)
+
+
+def test_log_probabilities_survive_a_piece_of_minus_infinity() -> None:
+    logits = torch.randn(3, 4096)  # 4 pieces of 1024
+    logits[:, :1024] = float("-inf")
+    logits[1, 2048:] = float("-inf")
+    for temperature in (0.0, 1.0):
+        ids, logprobs = sample(logits, inputs(3, temperature=temperature))
+        assert bool((ids >= 1024).all())
+        expected = logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+        assert torch.allclose(logprobs, expected, atol=1e-5)
