@@ -56,18 +56,18 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
 
 # Reductions over the vocabulary run on each row cut into up to this many equal pieces, then
 # over the pieces: one program per row was all inductor gave an argmax, 32 programs on an
-# H200's 132 SMs for a batch of 32, and the greedy sampling of the 8B step took 68 us. Pieces
-# of at most 1024 are reduced by inductor in registers, read once (at 64 pieces of 2004 the
-# fused kernel looped twice over each and took 23 us).
-_MAX_PIECES = 128
-_MIN_PIECE = 512
+# H200's 132 SMs for a batch of 32, and the greedy sampling of the 8B step took 68 us. In 64
+# pieces it is a 23 us kernel plus a pass over the pieces under 2.4 us; 128 pieces of 1002
+# measured 19 + 13 us, so 64 it is (docs/PERFORMANCE.md, session 5).
+_MAX_PIECES = 64
+_MIN_PIECE = 1024
 
 
 def _pieces(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[rows, vocab]`` as ``[rows, pieces, vocab // pieces]``, without padding.
 
     The piece count is the largest divisor of the vocabulary up to ``_MAX_PIECES`` that keeps
-    pieces ``_MIN_PIECE`` long (128 of 1002 for Llama 3's 128256; one for a prime vocabulary).
+    pieces ``_MIN_PIECE`` long (64 of 2004 for Llama 3's 128256; one for a prime vocabulary).
     """
     rows, vocab = x.shape
     count = next(

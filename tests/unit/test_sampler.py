@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from cbpipe.worker import sampler
 from cbpipe.worker.sampler import SamplingInputs, sample
 
 
@@ -58,8 +60,13 @@ def test_a_seeded_draw_depends_on_seed_and_index_only() -> None:
     assert not torch.equal(later, earlier)
 
 
-def test_greedy_takes_the_first_maximum_across_the_vocabulary_pieces() -> None:
-    # 128256 = Llama 3's vocabulary, reduced in 128 pieces; 7919 is prime, one piece.
+@pytest.mark.parametrize("max_pieces", [64, 128])
+def test_greedy_takes_the_first_maximum_across_the_vocabulary_pieces(
+    monkeypatch: pytest.MonkeyPatch, max_pieces: int
+) -> None:
+    monkeypatch.setattr(sampler, "_MAX_PIECES", max_pieces)
+    monkeypatch.setattr(sampler, "_MIN_PIECE", 512)
+    # 128256 = Llama 3's vocabulary, in 64 or 128 pieces; 7919 is prime, one piece.
     for vocab in (128256, 7919, 50):
         logits = torch.randn(5, vocab)
         logits[1, [3, vocab - 1]] = 100.0  # a tie in the first and last piece
@@ -72,7 +79,7 @@ def test_greedy_takes_the_first_maximum_across_the_vocabulary_pieces() -> None:
 
 
 def test_log_probabilities_survive_a_piece_of_minus_infinity() -> None:
-    logits = torch.randn(3, 4096)  # 8 pieces of 512
+    logits = torch.randn(3, 4096)  # 4 pieces of 1024
     logits[:, :1024] = float("-inf")
     logits[1, 2048:] = float("-inf")
     for temperature in (0.0, 1.0):
