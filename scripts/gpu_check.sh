@@ -36,8 +36,11 @@
 #   PYTHON=python
 #   COMPILE_CACHE=         a folder for torch.compile's and Triton's caches (e.g. .compile-cache,
 #                          ignored by git): a compiled start-up that found them warm took 98 s
-#                          against 167 s cold. The device machine starts bare, so carry the
-#                          folder in and bring it back as $OUT/compile-cache.tgz
+#                          against 167 s cold (93 against 158 s in session 5). The device
+#                          machine starts bare: the caches come back as $OUT/compile-cache.tgz;
+#                          carry that file as FOLDER.tgz (.compile-cache.tgz, 10 MB, where the
+#                          folder is 65 MB, over the 64 MiB a call carries): it is unpacked
+#                          into the folder before anything runs
 # Always written: $OUT/gpu_clocks.csv, nvidia-smi's clocks, power and clock event reasons every
 # 0.5 s, summarised over the samples with the GPU busy at the end of summary.log.
 set -uo pipefail
@@ -61,6 +64,9 @@ output_len=$((BENCH_OUTPUT_LEN / BENCH_SCALE))
 mkdir -p "$OUT"
 if [ -n "${COMPILE_CACHE:-}" ]; then
     mkdir -p "$COMPILE_CACHE"
+    if [ -f "$COMPILE_CACHE.tgz" ]; then
+        tar xzf "$COMPILE_CACHE.tgz" -C "$COMPILE_CACHE"
+    fi
     COMPILE_CACHE=$(cd "$COMPILE_CACHE" && pwd)
     export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi

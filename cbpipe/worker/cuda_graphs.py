@@ -17,6 +17,7 @@ its fixed sizes and called again at every replay, so the padding logic runs in C
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -56,6 +57,25 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch})
 
 
+# Inductor writes each compiled kernel for the sizes of the first call (they become its size
+# hints) and picks its tile configuration by timing that first launch; with dynamic shapes
+# every later batch reuses both. Capture runs the largest bucket first, so the kernels were
+# fitted to 256 rows: the rotary kernel that an 8B step at batch 32 launches 32 times got
+# 256 x 16 tiles with 7/8 of the rows masked (inductor's saved choices from an H200 run), and
+# the engine's step at context 4096 took 8.98 ms against 8.84 ms for the same step compiled at
+# batch 32 (session 5 in docs/PERFORMANCE.md; how much of that the tiles explain is not yet
+# measured). Tiles fitted to a middling batch waste little at larger ones (more programs, all
+# full), where tiles fitted to the largest waste most at the small batches that long
+# generations run at.
+_TUNING_BATCH = 32
+
+
+def tuning_batch(batch_sizes: Sequence[int]) -> int:
+    """The bucket a compiled decode body should first run at: the smallest of at least
+    ``_TUNING_BATCH`` rows, or the largest there is."""
+    return next((b for b in sorted(batch_sizes) if b >= _TUNING_BATCH), max(batch_sizes))
+
+
 class DecodeGraphs:
     def __init__(self) -> None:
         self._graphs: dict[tuple[int, int, bool], Replayable] = {}
@@ -71,14 +91,21 @@ class DecodeGraphs:
         batch_sizes: Sequence[int],
         slots: Sequence[SlotT],
         stream: torch.cuda.Stream | None,
+        first_batch: int | None = None,
     ) -> None:
         """Capture ``body`` for every bucket, slot and mode, largest first to share one pool.
 
         Each is run once before capture, so lazy initialisation (Triton compilation, cuBLAS
         workspaces) happens outside the graph. The device input buffers hold zeros then
         (``num_seqs`` 0), so every row is padding and no cache block is touched.
+        ``first_batch``: run the body at this batch (both modes, the first slot) before any
+        other, uncaptured, for what sets itself up on the first call's sizes.
         """
         self.batch_sizes = sorted(batch_sizes)
+        if first_batch is not None:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for all_greedy in (True, False):
+                    body(slots[0], first_batch, all_greedy)
         pool = torch.cuda.graph_pool_handle() if stream is not None else None
         for batch in reversed(self.batch_sizes):
             for all_greedy in (True, False):

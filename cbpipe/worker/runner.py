@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from cbpipe.protocol.messages import Step, StepDone
 from cbpipe.protocol.slots import HEADER_FIELDS, SlotLayout
 from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep, PrefillKernel
-from cbpipe.worker.cuda_graphs import DecodeGraphs
+from cbpipe.worker.cuda_graphs import DecodeGraphs, tuning_batch
 from cbpipe.worker.sampler import SamplingInputs, sample
 
 Sampler = Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]]
@@ -162,6 +162,7 @@ class StepRunner:
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
+        self._compiled = compile_decode
         self._decode_model = torch.compile(model, dynamic=True) if compile_decode else model
         # Sampling too: its reductions over the vocabulary fuse into a kernel or two. Only in
         # graphs, whose variants (greedy or not, no top-k/top-p) all compile at capture.
@@ -268,6 +269,7 @@ class StepRunner:
             batch_sizes=batch_sizes,
             slots=self.slots,
             stream=self.compute_stream,
+            first_batch=tuning_batch(batch_sizes) if self._compiled else None,
         )
         log.info(
             "captured %d decode graphs (batch sizes %s) in %.1f s",
