@@ -133,6 +133,9 @@ class PagedStep:
     # Decode rows only, through the ``cbpipe::decode_attention`` op: one opaque call per layer
     # that torch.compile leaves alone and CUDA graphs capture.
     decode_op: bool = False
+    # New keys and values go to the cache through ``cbpipe::write_kv_cache`` (a Triton
+    # kernel), not index assignment; set where the attention kernels run.
+    write_op: bool = False
 
     @classmethod
     def build(
@@ -205,7 +208,10 @@ class PagedStep:
             row_ids = torch.arange(n_dec, num_rows, device=device)
             seq_of_row = torch.searchsorted(starts, row_ids, right=True) - 1
             scatter = (seq_of_row, row_ids - starts[seq_of_row])
-        return cls(kv_cache, slot_mapping, decode, prefill, scatter, n_dec, prefill_rows)
+        write_op = decode_kernel is not None or prefill_kernel is not None
+        return cls(
+            kv_cache, slot_mapping, decode, prefill, scatter, n_dec, prefill_rows, write_op=write_op
+        )
 
     @classmethod
     def decode_only(
@@ -223,7 +229,16 @@ class PagedStep:
         serves every width. Attention goes through the Triton kernel (``decode_attention``).
         """
         decode = DecodeRows(context_lens, block_tables, block_table_width, None, None)
-        return cls(kv_cache, slot_mapping, decode, None, None, len(slot_mapping), decode_op=True)
+        return cls(
+            kv_cache,
+            slot_mapping,
+            decode,
+            None,
+            None,
+            len(slot_mapping),
+            decode_op=True,
+            write_op=True,
+        )
 
 
 @torch.library.custom_op("cbpipe::decode_attention", mutates_args=())
@@ -240,9 +255,7 @@ def decode_attention(
     """Attend one decode row per sequence with the Triton kernel (the rows' keys and values
     are already in the cache).
 
-    One opaque op for ``torch.compile``: inductor does not trace into the Triton launch, and
-    the cache writes before it stay in the traced graph, where inductor fuses them into the
-    kernel that applies the rotary embedding (two kernels a layer fewer on the H200)."""
+    One opaque op for ``torch.compile``: inductor does not trace into the Triton launch."""
     from cbpipe.worker.kernels.paged_decode import paged_decode_attention
 
     return paged_decode_attention(
@@ -262,6 +275,29 @@ def _decode_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(query)
 
 
+@torch.library.custom_op("cbpipe::write_kv_cache", mutates_args=("key_cache", "value_cache"))
+def write_kv_cache(
+    key: torch.Tensor,  # [num_rows, kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_rows]
+) -> None:
+    """Store each row's key and value at its slot: one Triton launch on CUDA.
+
+    An op that mutates the caches, which inductor keeps in place (no copy of the cache: the
+    caches are inputs of the compiled graph), and which leaves the keys' rotary embedding to
+    inductor as a kernel that mutates nothing (``kernels/cache_write.py`` says why that
+    matters). Elsewhere it is index assignment."""
+    if key.is_cuda:
+        from cbpipe.worker.kernels.cache_write import write_kv_cache as kernel
+
+        kernel(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        key_cache[slot_mapping] = key
+        value_cache[slot_mapping] = value
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, heads, num_tokens, head_dim]
@@ -279,10 +315,13 @@ def paged_attention_forward(
     v_cache = paged.kv_cache.values[layer]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    # Index assignment, not index_copy_: inductor keeps it in place in the cache (no copy of
-    # the cache) and fuses it with the element-wise kernels that produce the keys.
-    k_cache[paged.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[paged.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
+    new_keys = key[0].transpose(0, 1).to(k_cache.dtype)  # [num_tokens, kv_heads, head_dim]
+    new_values = value[0].transpose(0, 1).to(v_cache.dtype)
+    if paged.write_op:
+        torch.ops.cbpipe.write_kv_cache(new_keys, new_values, k_cache, v_cache, paged.slot_mapping)
+    else:
+        k_cache[paged.slot_mapping] = new_keys
+        v_cache[paged.slot_mapping] = new_values
     if paged.decode_op:
         decode = paged.decode
         assert decode is not None
