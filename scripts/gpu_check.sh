@@ -139,7 +139,7 @@ rcs=()
 if want tests; then
     section tests
     kernel_tests=(tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py
-        tests/unit/test_cache_write_kernel.py)
+        tests/unit/test_cache_write_kernel.py tests/unit/test_greedy_sample_kernel.py)
     timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu "${kernel_tests[@]}" \
         -m gpu -v -s --durations=15 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
     rcs+=("tests=${PIPESTATUS[0]}")

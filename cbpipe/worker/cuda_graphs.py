@@ -58,15 +58,12 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 # Inductor writes each compiled kernel for the sizes of the first call (they become its size
-# hints) and picks its tile configuration by timing that first launch; with dynamic shapes
-# every later batch reuses both. Capture runs the largest bucket first, so the kernels were
-# fitted to 256 rows: the rotary kernel that an 8B step at batch 32 launches 32 times got
-# 256 x 16 tiles with 7/8 of the rows masked (inductor's saved choices from an H200 run), and
-# the engine's step at context 4096 took 8.98 ms against 8.84 ms for the same step compiled at
-# batch 32 (session 5 in docs/PERFORMANCE.md; how much of that the tiles explain is not yet
-# measured). Tiles fitted to a middling batch waste little at larger ones (more programs, all
-# full), where tiles fitted to the largest waste most at the small batches that long
-# generations run at.
+# hints, and the sizes its reductions are timed at); with dynamic shapes every later batch
+# reuses both. Capture runs the largest bucket first, so the kernels were fitted to 256 rows:
+# the 8B rotary kernel of q got 256-row tiles that a step at batch 32 ran with 7/8 of every
+# tile masked. Tiles fitted to a middling batch waste little at larger ones (more programs,
+# all full), where tiles fitted to the largest waste most at the small batches that long
+# generations run at. (Element-wise tiles are no longer timed at all: ``runner._compile``.)
 _TUNING_BATCH = 32
 
 

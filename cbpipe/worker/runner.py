@@ -55,6 +55,20 @@ def _typed_views(buffer: torch.Tensor, layout: SlotLayout, region_offset: int) -
     return views
 
 
+# Inductor picks each element-wise kernel's tiles by timing a handful of candidates on its
+# first launch; kernels of a few microseconds time too noisily for that to settle. On the
+# H200 the same 8B rotary kernel of q got 32 x 32 tiles (2.9 us) in one start-up and 128 x 32
+# (5.1 us) in the next, and before the cache writes left inductor's graph the keys' kernel
+# swung from 7 to 19 us a layer (session 6 in docs/PERFORMANCE.md). Without the timing every
+# start-up gets inductor's first candidate, the same each time; reductions are still timed.
+_COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
+
+
+def _compile(fn: Callable) -> Callable:
+    """``fn`` through ``torch.compile``: dynamic shapes, element-wise tiles not timed."""
+    return torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS)
+
+
 @dataclass
 class SlotBuffers:
     host_input: torch.Tensor  # uint8 view of the shared slot's input region
@@ -163,10 +177,10 @@ class StepRunner:
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
         self._compiled = compile_decode
-        self._decode_model = torch.compile(model, dynamic=True) if compile_decode else model
+        self._decode_model = _compile(model) if compile_decode else model
         # Sampling too: its reductions over the vocabulary fuse into a kernel or two. Only in
         # graphs, whose variants (greedy or not, no top-k/top-p) all compile at capture.
-        self._decode_sample = torch.compile(sample, dynamic=True) if compile_decode else sample
+        self._decode_sample = _compile(sample) if compile_decode else sample
         heads = model.config.get_text_config().num_attention_heads
         self.kv_group_size = heads // kv_cache.keys[0].shape[1]  # query heads per KV head
         max_seqs = layout.limits.max_seqs

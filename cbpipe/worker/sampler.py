@@ -33,25 +33,58 @@ class SamplingInputs:
 
 def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Return sampled ids ``[num_seqs]`` (int64) and their log-probabilities (float32)."""
+    if inputs.all_greedy:  # the logits as the model gave them: the kernel reads bf16 itself
+        ids, logprobs = torch.ops.cbpipe.greedy_sample(logits)
+        return ids, logprobs
     logits = logits.float()  # [num_seqs, vocab]
     pieces = _pieces(logits)
     piece_max, row_max, greedy = _max_and_argmax(pieces)
-    if inputs.all_greedy:
-        ids, chosen = greedy, row_max
-    else:
-        temperature = inputs.temperature.clamp_min(1e-6)[:, None]
-        scaled = logits / temperature
-        if inputs.needs_top_k_top_p:
-            scaled = _apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p)
-        # Gumbel-max: argmax(log p + Gumbel) is a sample from p; -log(E) with E ~ Exp(1).
-        uniform = _uniform(inputs.seed, inputs.output_index, logits.shape[-1])
-        gumbel = -torch.log(-torch.log(uniform))
-        sampled = _max_and_argmax(_pieces(scaled + gumbel))[2]
-        ids = torch.where(inputs.temperature == 0, greedy, sampled)
-        chosen = logits.gather(-1, ids[:, None])[:, 0]
+    temperature = inputs.temperature.clamp_min(1e-6)[:, None]
+    scaled = logits / temperature
+    if inputs.needs_top_k_top_p:
+        scaled = _apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p)
+    # Gumbel-max: argmax(log p + Gumbel) is a sample from p; -log(E) with E ~ Exp(1).
+    uniform = _uniform(inputs.seed, inputs.output_index, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(uniform))
+    sampled = _max_and_argmax(_pieces(scaled + gumbel))[2]
+    ids = torch.where(inputs.temperature == 0, greedy, sampled)
+    chosen = logits.gather(-1, ids[:, None])[:, 0]
     # log p = logit - logsumexp, the logsumexp from the same pieces as the maximum, instead of
     # a whole log-softmax written out and gathered from.
     return ids, chosen - _logsumexp(pieces, piece_max, row_max)
+
+
+@torch.library.custom_op("cbpipe::greedy_sample", mutates_args=())
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first argmax (int64) and its log-probability (float32), ``[rows]`` each.
+
+    On CUDA two Triton kernels that read the logits once (``kernels/greedy_sample.py``; what
+    inductor made of the pieces below read them twice, 23 us for an 8B step's batch of 32);
+    one opaque op, so ``torch.compile`` leaves them alone. Elsewhere plain torch.
+    """
+    if logits.is_cuda:
+        from cbpipe.worker.kernels.greedy_sample import greedy_sample_triton
+
+        return greedy_sample_triton(logits)
+    return greedy_sample_reference(logits)
+
+
+@greedy_sample.register_fake
+def _greedy_sample_shape(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = logits.shape[0]
+    return (
+        logits.new_empty(rows, dtype=torch.int64),
+        logits.new_empty(rows, dtype=torch.float32),
+    )
+
+
+def greedy_sample_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cbpipe::greedy_sample`` in plain torch, float32: ``argmax`` (ties to the first index)
+    and ``log_softmax`` there, as ``-log(sum(exp(x - max)))``."""
+    x = logits.float()  # [rows, vocab]
+    ids = x.argmax(dim=-1)
+    row_max = x.gather(-1, ids[:, None])
+    return ids, -(x - row_max).exp().sum(dim=-1).log()
 
 
 # Reductions over the vocabulary run on each row cut into up to this many equal pieces, then

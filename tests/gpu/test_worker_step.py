@@ -115,12 +115,15 @@ def test_many_overlapping_steps_match_generate_on_cuda(
 
 def _compiled_kernel_variants() -> int:
     """Variants Triton has compiled of our kernels in this process, on every device."""
-    from cbpipe.worker.kernels import paged_decode, paged_prefill
+    from cbpipe.worker.kernels import cache_write, greedy_sample, paged_decode, paged_prefill
 
     kernels = (
         paged_decode._split_kv_kernel,
         paged_decode._merge_splits_kernel,
         paged_prefill._prefill_kernel,
+        cache_write._write_kv_kernel,
+        greedy_sample._piece_kernel,
+        greedy_sample._merge_kernel,
     )
     total = 0
     for kernel in kernels:
