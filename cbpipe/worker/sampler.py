@@ -87,11 +87,12 @@ def greedy_sample_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return ids, -(x - row_max).exp().sum(dim=-1).log()
 
 
-# Reductions over the vocabulary run on each row cut into up to this many equal pieces, then
-# over the pieces: one program per row was all inductor gave an argmax, 32 programs on an
-# H200's 132 SMs for a batch of 32, and the greedy sampling of the 8B step took 68 us. In 64
-# pieces it is a 23 us kernel plus a pass over the pieces under 2.4 us; 128 pieces of 1002
-# measured 19 + 13 us, so 64 it is (docs/PERFORMANCE.md, session 5).
+# The sampled path's reductions over the vocabulary run on each row cut into up to this many
+# equal pieces, then over the pieces: one program per row was all inductor gave an argmax, 32
+# programs on an H200's 132 SMs for a batch of 32 (68 us for the 8B step's greedy sampling
+# then). In 64 pieces it was a 23 us kernel plus a pass over the pieces under 2.4 us; 128
+# pieces of 1002 measured 19 + 13 us, so 64 it is (docs/PERFORMANCE.md, session 5). Greedy
+# batches take ``cbpipe::greedy_sample`` instead: 5.4 us plus a merge under 2.3 (session 6).
 _MAX_PIECES = 64
 _MIN_PIECE = 1024
 
