@@ -64,7 +64,7 @@ class Request:
     num_pending_tokens: int = 0
     # The step that samples the newest pending token, and this request's row (sequence
     # index) in it.
-    pending_step: int = -1
+    pending_step: int | None = None
     pending_seq_index: int | None = None
     block_ids: list[int] = field(default_factory=list)
     table_row: int | None = None  # its row in the scheduler's BlockTables while running

@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.triton_interpreter import check_each, emit, require_triton, run_interpreted
+from tests.unit.triton_interpreter import (
+    check_each,
+    emit,
+    needs_cuda,
+    require_triton,
+    run_interpreted,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -170,18 +176,15 @@ def test_compiled_op_writes_the_cache_in_place() -> None:
     assert "clone" not in source and "copy_" not in source, source
 
 
-_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_matches_index_assignment(case: Case) -> None:
     assert_result(case, check_case(case, torch.device("cuda")))
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 def test_gpu_graph_replay_follows_rewritten_slots() -> None:
     from cbpipe.worker.kernels.cache_write import write_kv_cache
 

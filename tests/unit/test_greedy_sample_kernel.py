@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.triton_interpreter import check_each, emit, require_triton, run_interpreted
+from tests.unit.triton_interpreter import (
+    check_each,
+    emit,
+    needs_cuda,
+    require_triton,
+    run_interpreted,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The log-probability of the chosen (largest) logit lies in [-log(vocab), 0] and is computed
@@ -255,18 +261,15 @@ def test_compiled_op_stays_opaque_on_cpu() -> None:
     assert_result(Case("compiled", "float32", 4, 1000), compare(x.float() * 2.0, ids, logprobs))
 
 
-_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_matches_torch(case: Case) -> None:
     assert_result(case, check_case(case, torch.device("cuda")))
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 def test_gpu_op_matches_torch() -> None:
     import cbpipe.worker.sampler  # noqa: F401  (registers the op)
 
@@ -276,7 +279,7 @@ def test_gpu_op_matches_torch() -> None:
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 def test_gpu_call_never_syncs() -> None:
     """After compiling, a call raises nothing under the strictest sync debug mode."""
     from cbpipe.worker.sampler import greedy_sample
@@ -293,7 +296,7 @@ def test_gpu_call_never_syncs() -> None:
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 def test_gpu_cuda_graph_replays_with_rewritten_logits() -> None:
     """Capture once; logits written in place are what a replay samples from."""
     from cbpipe.worker.sampler import greedy_sample

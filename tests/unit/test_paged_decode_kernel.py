@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.triton_interpreter import check_each, emit, require_triton, run_interpreted
+from tests.unit.triton_interpreter import (
+    check_each,
+    emit,
+    needs_cuda,
+    require_triton,
+    run_interpreted,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Worst absolute error allowed against the float32 reference (outputs are O(1)). 16-bit
@@ -187,18 +193,15 @@ def test_default_split_heuristic(interpreter_results: dict[str, Any]) -> None:
     assert interpreter_results["num_splits_for"] == want
 
 
-_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_matches_reference(case: Case) -> None:
     assert_result(case, check_case(case, torch.device("cuda")))
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 def test_gpu_cuda_graph_replays_with_new_metadata() -> None:
     """Capture once; new context lengths, block tables and width written in place are used."""
     from cbpipe.worker.kernels.paged_decode import paged_decode_attention, paged_decode_reference

@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.triton_interpreter import check_each, emit, require_triton, run_interpreted
+from tests.unit.triton_interpreter import (
+    check_each,
+    emit,
+    needs_cuda,
+    require_triton,
+    run_interpreted,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Error allowed against the float32 reference: |got - want| <= atol + rtol * |want|. 16-bit
@@ -340,18 +346,15 @@ def test_malformed_inputs_are_rejected(interpreter_results: dict[str, Any]) -> N
     assert not not_rejected, f"accepted without a ValueError: {not_rejected}"
 
 
-_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_matches_reference(case: Case) -> None:
     assert_result(case, check_case(case, torch.device("cuda")))
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 def test_gpu_call_never_syncs() -> None:
     """After compiling, a call raises nothing under the strictest sync debug mode."""
     from cbpipe.worker.kernels.paged_prefill import paged_prefill_attention
@@ -373,7 +376,7 @@ def test_gpu_call_never_syncs() -> None:
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@needs_cuda
 def test_gpu_cuda_graph_replays_with_new_metadata() -> None:
     """Capture once; new chunk starts, context lengths and tables written in place are used."""
     from cbpipe.worker.kernels.paged_prefill import (

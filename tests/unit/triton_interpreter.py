@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The kernels' GPU cases, beside the ``gpu`` marker that selects them.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 _RESULT_PREFIX = "TRITON_INTERPRETER_RESULTS "
 
 
