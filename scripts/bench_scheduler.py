@@ -18,6 +18,7 @@ import statistics
 import time
 
 from cbpipe.collector import CollectorPacing
+from cbpipe.protocol.messages import Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.scheduler.block_manager import BlockManager
@@ -78,12 +79,12 @@ def main() -> None:
     if args.gc == "paced":
         collector.start()
     gc.callbacks.append(on_collection)
-    in_flight: list[tuple[StepPlan, int]] = []
+    in_flight: list[tuple[StepPlan, int, Step]] = []
 
     def apply_oldest() -> float:
-        plan, slot = in_flight.pop(0)
+        plan, slot, packed = in_flight.pop(0)
         start = time.process_time()
-        scheduler.update(plan, packer.sampled_ids(slot, len(plan.seqs)))
+        scheduler.update(plan, packer.read_output(slot, packed))
         return time.process_time() - start
 
     started = time.perf_counter()
@@ -97,7 +98,7 @@ def main() -> None:
         previous = in_flight[-1][1] if in_flight else None
         packed = packer.pack(plan, step % 2, previous)
         elapsed = time.process_time() - start
-        in_flight.append((plan, step % 2))
+        in_flight.append((plan, step % 2, packed))
         if len(in_flight) == 2:
             elapsed += apply_oldest()
         if args.gc == "paced":

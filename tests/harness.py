@@ -187,8 +187,7 @@ class InProcessEngine:
             if in_flight:
                 plan, done_slot, launched = in_flight.popleft()
                 launched.wait()
-                sampled = self.packer.sampled_ids(done_slot, len(plan.seqs))
-                self.scheduler.update(plan, sampled)
+                self.scheduler.update(plan, self.packer.read_output(done_slot, launched.step))
             if cancel_probability and self.scheduler.requests and rng.random() < cancel_probability:
                 self.scheduler.cancel(rng.choice(list(self.scheduler.requests)))
         return added

@@ -1,8 +1,28 @@
 """Submit jobs to a running cbpipe engine and stream their tokens back.
 
 Depends on the protocol, pyzmq and msgpack only: it imports without torch.
+``Client`` is for threads, ``AsyncClient`` for asyncio; both keep the same contract.
 """
 
-from cbpipe.client.client import Client, EngineError, Job, RequestError, Result
+from cbpipe.client.client import Client, Job
+from cbpipe.client.jobs import (
+    Delta,
+    EngineError,
+    PromptLogprob,
+    RequestError,
+    Result,
+    SamplingOptions,
+)
+from cbpipe.protocol.messages import Stats
 
-__all__ = ["Client", "EngineError", "Job", "RequestError", "Result"]
+__all__ = [
+    "Client",
+    "Delta",
+    "EngineError",
+    "Job",
+    "PromptLogprob",
+    "RequestError",
+    "Result",
+    "SamplingOptions",
+    "Stats",
+]

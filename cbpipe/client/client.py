@@ -9,28 +9,43 @@ away, and every unfinished job then fails with ``EngineError`` instead of waitin
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Unpack
 
 import zmq
 import zmq.utils.monitor
 
+from cbpipe.client.jobs import (
+    Delta,
+    EngineError,
+    JobState,
+    RequestError,
+    Result,
+    SamplingOptions,
+    make_params,
+    prompt_payload,
+)
 from cbpipe.protocol.messages import (
     MAX_FRAME_BYTES,
+    REPLY_TYPES,
     Cancel,
     Error,
     ErrorKind,
     Finished,
+    GetStats,
     Goodbye,
     Hello,
     Message,
+    PromptLogprobs,
     ProtocolError,
+    Stats,
     Submit,
     Tokens,
     Welcome,
@@ -44,95 +59,70 @@ log = logging.getLogger("cbpipe.client")
 CLOSE_LINGER_MS = 200  # time to deliver the goodbye to an engine that is still there
 
 
-class RequestError(ValueError):
-    """The engine refused the request; the message says why. Other jobs are unaffected."""
-
-
-class EngineError(RuntimeError):
-    """The engine failed, is gone, or never answered."""
-
-
-@dataclass(frozen=True)
-class Result:
-    token_ids: list[int]  # generated tokens only
-    text: str | None  # None when the model has no tokenizer
-    finish_reason: str  # "stop", "length", "cancelled" or "error"
-    num_prompt_tokens: int
-
-
-@dataclass(eq=False)
 class Job:
-    """One submitted generation. Thread-safe; ``stream()`` and ``result()`` may be mixed."""
+    """One submitted generation of ``n`` samples. Thread-safe; ``stream()``, ``deltas()`` and
+    ``result()`` may be mixed, and a late reader still gets everything from the start."""
 
-    request_id: int
-    _client: Client = field(repr=False)
-    _tokens: list[int] = field(default_factory=list, repr=False)
-    _result: Result | None = field(default=None, repr=False)
-    _error: Exception | None = field(default=None, repr=False)
-    _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    def __init__(self, request_id: int, params: SamplingParams, client: Client) -> None:
+        self.request_id = request_id
+        self._client = client
+        self._state = JobState(request_id, params)
+        self._changed = threading.Condition()
+
+    def __repr__(self) -> str:
+        return f"Job(request_id={self.request_id})"
 
     @property
     def done(self) -> bool:
         with self._changed:
-            return self._result is not None or self._error is not None
+            return self._state.done
 
     def result(self, timeout: float | None = None) -> Result:
-        """Wait for the job to finish; raises ``TimeoutError`` after ``timeout`` seconds."""
-        with self._changed:
-            finished = self._changed.wait_for(
-                lambda: self._result is not None or self._error is not None, timeout
-            )
-            if not finished:
-                raise TimeoutError(f"job {self.request_id} not finished after {timeout} s")
-            if self._error is not None:
-                raise self._error
-            assert self._result is not None
-            return self._result
+        """Wait for the job to finish; raises ``TimeoutError`` after ``timeout`` seconds.
+        A job of several samples has ``results()`` instead."""
+        if self._state.params.n != 1:
+            raise ValueError(f"job {self.request_id} has {self._state.params.n} samples: results()")
+        return self.results(timeout)[0]
 
-    def stream(self, timeout: float | None = None) -> Iterator[int]:
-        """Yield generated token ids as they arrive; ``timeout`` bounds each wait."""
-        seen = 0
+    def results(self, timeout: float | None = None) -> list[Result]:
+        """Every sample's result, by index, once all are finished."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._state.done, timeout):
+                raise TimeoutError(f"job {self.request_id} not finished after {timeout} s")
+            return self._state.results()
+
+    def deltas(self, timeout: float | None = None) -> Iterator[Delta]:
+        """Yield what each step added to each sample, as it arrives; ``timeout`` bounds each
+        wait. Each sample's last delta has its ``finish_reason``."""
+        seen, state = 0, self._state
         while True:
             with self._changed:
-                ready = self._changed.wait_for(self._news_after(seen), timeout)
+                ready = self._changed.wait_for(state.has_news_after(seen), timeout)
                 if not ready:
-                    raise TimeoutError(f"job {self.request_id}: no token for {timeout} s")
-                new, seen = self._tokens[seen:], len(self._tokens)
-                error, over = self._error, self._result is not None
+                    raise TimeoutError(f"job {self.request_id}: nothing new for {timeout} s")
+                new, seen = state.deltas[seen:], len(state.deltas)
+                error, over = state.error, state.done
             yield from new
             if error is not None:
                 raise error
-            if over and seen == len(self._tokens):
+            if over and seen == len(state.deltas):
                 return
 
-    def _news_after(self, seen: int) -> Callable[[], bool]:
-        def news() -> bool:
-            return len(self._tokens) > seen or self._result is not None or self._error is not None
-
-        return news
+    def stream(self, timeout: float | None = None) -> Iterator[int]:
+        """Yield generated token ids as they arrive (a job of one sample)."""
+        for delta in self.deltas(timeout):
+            yield from delta.token_ids
 
     def cancel(self) -> None:
         """Ask the engine to stop this job; ``result()`` then reports ``"cancelled"``."""
         if not self.done:
             self._client._send(Cancel(self.request_id))
 
-    def _add_tokens(self, token_ids: list[int]) -> None:
+    def _update(self, change: Callable[[JobState], object]) -> object:
         with self._changed:
-            self._tokens.extend(token_ids)
+            outcome = change(self._state)
             self._changed.notify_all()
-
-    def _finish(self, message: Finished) -> None:
-        with self._changed:
-            self._result = Result(
-                list(self._tokens), message.text, message.finish_reason, message.num_prompt_tokens
-            )
-            self._changed.notify_all()
-
-    def _fail(self, error: Exception) -> None:
-        with self._changed:
-            if self._result is None and self._error is None:
-                self._error = error
-                self._changed.notify_all()
+            return outcome
 
 
 class Client:
@@ -153,6 +143,7 @@ class Client:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._jobs: dict[int, Job] = {}
+        self._stats_waiters: deque[queue.SimpleQueue[Stats | EngineError]] = deque()
         self._jobs_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._failure: EngineError | None = None
@@ -192,23 +183,15 @@ class Client:
         prompt: str | Sequence[int],
         *,
         max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
+        **options: Unpack[SamplingOptions],
     ) -> Job:
-        """Queue one job; invalid parameters raise ``RequestError`` here or from the job."""
-        params = SamplingParams(
-            max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids), ignore_eos
-        )
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-        job = Job(next(self._ids), self)
-        frame = encode(Submit(job.request_id, _prompt_payload(prompt), params))
+        """Queue one job; invalid parameters raise ``RequestError`` here or from the job.
+
+        ``options`` are ``SamplingParams``' fields (``temperature``, ``top_p``, ``stop``,
+        ``logprobs``, ``n``, ...); ``logit_bias`` maps token ids to biases."""
+        params = make_params(max_new_tokens, options)
+        job = Job(next(self._ids), params, self)
+        frame = encode(Submit(job.request_id, prompt_payload(prompt), params))
         if len(frame) > MAX_FRAME_BYTES:
             raise RequestError(
                 f"request of {len(frame)} bytes exceeds the engine's frame "
@@ -220,11 +203,31 @@ class Client:
         self._send_frame(frame)
         return job
 
+    def stats(self, timeout: float = 10.0) -> Stats:
+        """The engine's counters: running and waiting requests, KV-cache use, tokens."""
+        waiter: queue.SimpleQueue[Stats | EngineError] = queue.SimpleQueue()
+        with self._jobs_lock:
+            self._check_usable()
+            self._stats_waiters.append(waiter)
+        self._send(GetStats())
+        try:
+            answer = waiter.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"the engine did not answer within {timeout:.0f} s") from None
+        if isinstance(answer, EngineError):
+            raise answer
+        return answer
+
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], *, timeout: float | None = None, **params
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        max_new_tokens: int,
+        timeout: float | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> list[Result]:
         """Submit every prompt at once and return their results in order."""
-        jobs = [self.submit(prompt, **params) for prompt in prompts]
+        jobs = [self.submit(p, max_new_tokens=max_new_tokens, **options) for p in prompts]
         return [job.result(timeout) for job in jobs]
 
     def close(self) -> None:
@@ -291,53 +294,57 @@ class Client:
 
     def _on_frame(self, frame: bytes) -> None:
         try:
-            message = decode(frame, expected=(Welcome, Tokens, Finished, Error))
+            message = decode(frame, expected=REPLY_TYPES)
         except ProtocolError as exc:
             log.warning("ignored a frame from the engine: %s", exc)
             return
         if isinstance(message, Welcome):
             self._welcome = message
             self._welcomed.set()
-            return
-        if isinstance(message, Tokens):
+        elif isinstance(message, Stats):
+            with self._jobs_lock:
+                waiter = self._stats_waiters.popleft() if self._stats_waiters else None
+            if waiter is not None:
+                waiter.put(message)
+        elif isinstance(message, Tokens):
             with self._jobs_lock:
                 jobs = [self._jobs.get(rid) for rid in message.request_ids]
-            for job, token_ids in zip(jobs, message.token_ids, strict=True):
+            for entry, job in enumerate(jobs):
                 if job is not None:
-                    job._add_tokens(token_ids)
-            return
-        assert isinstance(message, (Finished, Error))
-        with self._jobs_lock:
-            job = self._jobs.get(message.request_id) if message.request_id is not None else None
-            if job is not None:
-                del self._jobs[message.request_id]  # type: ignore[arg-type]
-        if job is None:
-            if isinstance(message, Error):
-                log.warning("engine error not tied to a job: %s", message.message)
-            return
-        if isinstance(message, Finished):
-            job._finish(message)
-        elif message.kind is ErrorKind.REQUEST:
-            job._fail(RequestError(message.message))
+                    job._update(functools.partial(JobState.on_tokens, frame=message, entry=entry))
+        elif isinstance(message, PromptLogprobs):
+            self._route(message.request_id, lambda state: state.on_prompt_logprobs(message))
+        elif isinstance(message, Finished):
+            self._route(message.request_id, lambda state: state.on_finished(message))
         else:
-            job._fail(EngineError(message.message))
+            assert isinstance(message, Error)
+            error_type = RequestError if message.kind is ErrorKind.REQUEST else EngineError
+            error = error_type(message.message)
+            if message.request_id is None or not self._route(
+                message.request_id, lambda state: state.on_error(error)
+            ):
+                log.warning("engine error not tied to a job: %s", message.message)
+
+    def _route(self, request_id: int, change: Callable[[JobState], object]) -> bool:
+        """Apply ``change`` to a job's state; forget the job once it is done."""
+        with self._jobs_lock:
+            job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        job._update(change)
+        if job.done:
+            with self._jobs_lock:
+                self._jobs.pop(request_id, None)
+        return True
 
     def _fail_all(self, error: EngineError) -> None:
         with self._jobs_lock:
             if self._failure is None and not self._closing:
                 self._failure = error
             jobs, self._jobs = list(self._jobs.values()), {}
+            waiters, self._stats_waiters = list(self._stats_waiters), deque()
         for job in jobs:
-            job._fail(error)
+            job._update(lambda state: state.on_error(error))
+        for waiter in waiters:
+            waiter.put(error)
         self._welcomed.set()
-
-
-def _prompt_payload(prompt: object) -> str | list[int]:
-    """A text prompt as is, or token ids as a list; anything else is a ``RequestError``."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-        token_ids = list(prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            return token_ids
-    raise RequestError("a prompt must be a string or a list of integer token ids")

@@ -38,6 +38,14 @@ class ErrorKind(enum.StrEnum):
 FinishReasonName = Literal["stop", "length", "cancelled", "error"]
 
 
+class SamplingMode(enum.StrEnum):
+    """Which sampler a step needs: the cheapest that serves every sequence in it."""
+
+    GREEDY = "greedy"  # argmax of the model's logits, for every sequence
+    RANDOM = "random"  # temperature only (greedy rows where it is 0)
+    FULL = "full"  # penalties, logit bias, min_p, top-k, top-p and top alternatives
+
+
 class Message:
     """Base of all message types; ``TYPE`` is the wire name."""
 
@@ -93,29 +101,62 @@ class Goodbye(Message):
 
 @dataclass(frozen=True)
 class Tokens(Message):
-    """Scheduler -> client: newly known tokens of the client's jobs, one frame per step.
+    """Scheduler -> client: what the client's jobs produced in one step, one frame per step.
 
-    ``token_ids[i]`` continues the output of job ``request_ids[i]``.
+    Columns, one entry per job that moved (``request_ids[i]``, sample ``indices[i]``):
+    ``token_ids[i]`` continues that sample's output. The optional columns are present when
+    any job in the frame asked for them, with empty entries for jobs that did not:
+    ``texts[i]`` is the text those tokens add (held back while a stop string might still
+    match, so it never has to be retracted), ``logprobs[i][t]`` the log-probability of token
+    ``t`` and ``top_ids[i][t]`` / ``top_logprobs[i][t]`` its most likely alternatives.
     """
 
     TYPE: ClassVar[str] = "tokens"
     request_ids: list[int]
     token_ids: list[list[int]]
+    indices: list[int] | None = None  # None: every entry is sample 0
+    texts: list[str] | None = None
+    logprobs: list[list[float]] | None = None
+    top_ids: list[list[list[int]]] | None = None
+    top_logprobs: list[list[list[float]]] | None = None
 
     def __post_init__(self) -> None:
-        if len(self.request_ids) != len(self.token_ids):
-            raise ValueError("tokens: request_ids and token_ids differ in length")
+        n = len(self.request_ids)
+        for name in ("token_ids", "indices", "texts", "logprobs", "top_ids", "top_logprobs"):
+            column = getattr(self, name)
+            if column is not None and len(column) != n:
+                raise ValueError(f"tokens: {name} and request_ids differ in length")
+
+
+@dataclass(frozen=True)
+class PromptLogprobs(Message):
+    """Scheduler -> client: the log-probability of every prompt token after the first, given
+    the tokens before it (``logprobs[i]`` is prompt token ``i + 1``'s), and the most likely
+    alternatives at each position; sent once, before the job's first ``Tokens``."""
+
+    TYPE: ClassVar[str] = "prompt_logprobs"
+    request_id: int
+    prompt_token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass(frozen=True)
 class Finished(Message):
-    """Scheduler -> client: the job is over; every token was sent before in ``Tokens``."""
+    """Scheduler -> client: one sample of the job is over; its tokens were sent before in
+    ``Tokens``. A job of ``n`` samples gets ``n`` of these."""
 
     TYPE: ClassVar[str] = "finished"
     request_id: int
     finish_reason: FinishReasonName
     text: str | None
     num_prompt_tokens: int
+    index: int = 0
+    # What stopped it: the stop string matched, or the stop or EOS token id; None otherwise.
+    stop_reason: str | int | None = None
+    # Seconds from arrival until the scheduler first planned a step for it.
+    queue_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +167,27 @@ class Error(Message):
     request_id: int | None
     kind: ErrorKind
     message: str
+
+
+@dataclass(frozen=True)
+class GetStats(Message):
+    """Client -> scheduler: ask for the engine's counters; answered with ``Stats``."""
+
+    TYPE: ClassVar[str] = "get_stats"
+
+
+@dataclass(frozen=True)
+class Stats(Message):
+    """Scheduler -> client: the engine's state and its counters since start."""
+
+    TYPE: ClassVar[str] = "stats"
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # share of KV blocks held by requests, in [0, 1]
+    num_prompt_tokens: int  # prompt tokens of requests admitted, counted once each
+    num_generation_tokens: int
+    num_preemptions: int
+    num_steps: int
 
 
 # --- scheduler <-> worker -------------------------------------------------------------------
@@ -163,8 +225,11 @@ class Step(Message):
     block_table_width: int
     # Index of the slot whose sampled ids carry over into this step; None when no row does.
     carry_from_slot: int | None
-    all_greedy: bool
-    needs_top_k_top_p: bool
+    sampling: SamplingMode
+    # Copy back the top alternatives (``StepOutputs.top_*``) and the prompt log-probabilities.
+    top_logprobs: bool
+    prompt_logprobs: bool
+    num_bias_entries: int  # logit-bias entries in the slot's extras, applied before sampling
 
 
 @dataclass(frozen=True)
@@ -212,8 +277,11 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Cancel,
         Goodbye,
         Tokens,
+        PromptLogprobs,
         Finished,
         Error,
+        GetStats,
+        Stats,
         WorkerReady,
         Step,
         StepDone,
@@ -221,6 +289,17 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         WorkerFailed,
     )
 }
+
+
+# What a client may receive from the scheduler.
+REPLY_TYPES: tuple[type[Message], ...] = (
+    Welcome,
+    Tokens,
+    PromptLogprobs,
+    Finished,
+    Error,
+    Stats,
+)
 
 
 def encode(message: Message) -> bytes:
@@ -319,6 +398,13 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case
         if value in get_args(hint):
             return value
         raise ProtocolError(f"{where}: must be one of {get_args(hint)}, got {value!r}")
+    elif origin is tuple and get_args(hint)[-1:] != (Ellipsis,):
+        args = get_args(hint)  # a fixed-length tuple: one type per position
+        if isinstance(value, list) and len(value) == len(args):
+            return tuple(
+                _convert(a, v, f"{where}[{i}]")
+                for i, (a, v) in enumerate(zip(args, value, strict=True))
+            )
     elif origin in (list, tuple):
         if isinstance(value, list):
             (item,) = get_args(hint)[:1]
@@ -352,6 +438,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case
 def _hint_name(hint: Any) -> str:
     if hint is type(None):
         return "None"
+    if get_origin(hint) is tuple and get_args(hint)[-1:] != (Ellipsis,):
+        return f"[{', '.join(_hint_name(a) for a in get_args(hint))}]"
     if get_origin(hint) in (list, tuple):
         return f"list of {_hint_name(get_args(hint)[0])}"
     return getattr(hint, "__name__", None) or str(hint)

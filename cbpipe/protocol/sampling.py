@@ -1,64 +1,168 @@
-"""Per-request sampling parameters: one definition, validated on both sides of the socket."""
+"""Per-request sampling parameters: one definition, validated on both sides of the socket.
+
+Every bound here is what the engine can carry: integers that travel in the shared-memory
+slots must fit their int32 fields, floats must survive the float32 the device computes in,
+and lists are bounded so that one request's share of a slot is bounded too.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_SEED = 2**63 - 1
+INT32_MAX = 2**31 - 1
+# Alternatives returned per token (OpenAI's chat API allows 20; its completions API 5).
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries per request
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SAMPLES = 128  # n
+MAX_TEMPERATURE = 1e4  # far above any useful value, and its reciprocal is a normal float32
+# OpenAI's range for logit_bias values; -100 bans a token in practice, as it does there.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency, as OpenAI bounds them
+REPETITION_PENALTY_MAX = 100.0
+# The smallest top_p and min_p whose float32 value is a usable threshold: below the smallest
+# normal float32 the value flushes towards 0, and a top_p of 0 would mask every token.
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request chooses its tokens and when it stops.
+    """How one request chooses its tokens, what it reports, and when it stops.
 
     ``temperature == 0`` is greedy decoding. A request with a ``seed`` draws the same tokens
-    whatever else shares its batch: the random number for output token ``i`` depends only on
-    ``(seed, i)``.
+    whatever else shares its batch: the random number for output token ``i`` of sample ``j``
+    depends only on ``(seed, j, i)``.
+
+    Processing order on the device, as vLLM has it: ``logit_bias`` and the ``min_tokens`` ban,
+    then the penalties, then temperature, ``min_p``, ``top_k`` and ``top_p``. Log-probabilities
+    (``logprobs``, ``prompt_logprobs``) are the model's own distribution, before any of that.
     """
 
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 keeps every token
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, matched in the text
+    min_tokens: int = 0  # EOS and stop tokens are banned until this many outputs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Token id -> bias added to its logit. A tuple of pairs, not a dict: frozen and hashable.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    logprobs: int | None = None  # None: none; k: the sampled token's and k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    n: int = 1  # independent samples of the prompt
+    detokenize: bool = True  # stream text beside the token ids (needs the model's tokenizer)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first parameter that is out of range."""
-        _check_int("max_new_tokens", self.max_new_tokens, low=1)
-        _check_float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _check_float("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, low=0)
+        _check_int("max_new_tokens", self.max_new_tokens, low=1, high=INT32_MAX)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, low=_FLOAT32_TINY, high=1.0)
+        _check_int("top_k", self.top_k, low=0, high=INT32_MAX)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        if 0.0 < self.min_p < _FLOAT32_TINY:
+            raise ValueError(f"min_p must be 0 or at least {_FLOAT32_TINY:.3g}, got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError("stop_token_ids must be a list of token ids")
+        _check_sequence("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids entry", token_id, low=0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+            _check_int("stop_token_ids entry", token_id, low=0, high=INT32_MAX)
+        _check_sequence("stop", self.stop, MAX_STOP_STRINGS)
+        for text in self.stop:
+            if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"each stop string must be a non-empty string of at most "
+                    f"{MAX_STOP_STRING_CHARS} characters, got {text!r:.60}"
+                )
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens)
+        _check_float("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
+        _check_float("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, REPETITION_PENALTY_MAX)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_sequence("logit_bias", self.logit_bias, MAX_LOGIT_BIAS)
+        seen: set[int] = set()
+        for entry in self.logit_bias:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise ValueError("logit_bias entries must be (token_id, bias) pairs")
+            token_id, bias = entry
+            _check_int("logit_bias token id", token_id, low=0, high=INT32_MAX)
+            _check_float(f"logit_bias[{token_id}]", bias, *LOGIT_BIAS_RANGE)
+            if token_id in seen:
+                raise ValueError(f"logit_bias names token id {token_id} twice")
+            seen.add(token_id)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, low=0, high=MAX_TOP_LOGPROBS)
+        _check_int("n", self.n, low=1, high=MAX_SAMPLES)
+        _check_bool("detokenize", self.detokenize)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched in the text: they need detokenize")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
-def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
+    @property
+    def needs_full_sampling(self) -> bool:
+        """Whether the device needs more than the plain greedy or temperature sampler."""
+        return (
+            self.top_k > 0
+            or self.top_p < 1.0
+            or self.min_p > 0.0
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.has_penalties
+            or bool(self.logprobs)  # top alternatives; the sampled token's own is always there
+        )
+
+
+def _check_int(name: str, value: object, *, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
 
-def _check_float(name: str, value: object) -> None:
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    """A finite number in ``[low, high]``; a float32 representation of it is what the device
+    sees, and anything in range survives that (the bounds are far inside float32's range)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r:.40}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_sequence(name: str, value: object, max_len: int) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    if len(value) > max_len:
+        raise ValueError(f"{name} holds {len(value)} entries; at most {max_len} are allowed")

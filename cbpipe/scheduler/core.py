@@ -1,10 +1,11 @@
 """The scheduling policy: which requests run in the next step, and what their results mean.
 
 Pure: no sockets, no shared memory, no clock. ``schedule()`` returns a ``StepPlan``;
-``update(plan, sampled_ids)`` applies the worker's results for that plan. With asynchronous
-scheduling, ``schedule()`` for step N+1 runs before ``update()`` for step N (and, three steps
-deep, for step N+2 before ``update()`` for N): requests in step N have a pending token, and
-their rows in N+1 carry it over on the device. Carry-over reads only the previous step's
+``update(plan, output)`` applies the worker's results for that plan, a ``StepOutput``; the
+one way a request ends is ``finish(req, status)``. With asynchronous scheduling,
+``schedule()`` for step N+1 runs before ``update()`` for step N (and, three steps deep, for
+step N+2 before ``update()`` for N): requests in step N have a pending token, and their rows
+in N+1 carry it over on the device. Carry-over reads only the previous step's
 samples, so a request whose pending token comes from an older step waits for its result.
 """
 
@@ -35,6 +36,7 @@ class ScheduledSeq(NamedTuple):
     samples: bool  # the rows reach the end of the request's tokens, so a token is sampled
     carry_src: int | None  # seq index in the previous step whose sampled id is row 0's token
     output_index: int  # index among the request's outputs of the token sampled here
+    prompt_logprobs: bool  # the rows' logits give prompt log-probabilities
 
 
 @dataclass
@@ -44,6 +46,10 @@ class StepPlan:
     step: int
     seqs: list[ScheduledSeq]
     preempted: list[Request] = field(default_factory=list)
+    # Requests that took a block-table row in this step (new, or resumed after preemption),
+    # and of those the ones running for the first time.
+    assigned: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
     # Row ``seq.req.table_row`` holds each sequence's block ids (the scheduler's BlockTables).
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
@@ -56,11 +62,36 @@ class StepPlan:
         return sum(1 for s in self.seqs if s.num_query_tokens == 1)
 
 
+@dataclass
+class StepOutput:
+    """What the worker produced for one step, row ``i`` for ``plan.seqs[i]``.
+
+    The optional parts are there when the step asked for them (``Step.top_logprobs``,
+    ``Step.prompt_logprobs``); tests build one from ids alone with ``of_ids``.
+    """
+
+    sampled_ids: npt.NDArray[np.int64]  # [num_seqs]
+    sampled_logprobs: npt.NDArray[np.float32]  # [num_seqs]
+    top_ids: npt.NDArray[np.int32] | None = None  # [num_seqs, MAX_TOP_LOGPROBS]
+    top_logprobs: npt.NDArray[np.float32] | None = None
+    # Per token row of the step: [num_tokens] and [num_tokens, MAX_TOP_LOGPROBS].
+    prompt_logprobs: npt.NDArray[np.float32] | None = None
+    prompt_top_ids: npt.NDArray[np.int32] | None = None
+    prompt_top_logprobs: npt.NDArray[np.float32] | None = None
+
+    @classmethod
+    def of_ids(cls, ids: Sequence[int]) -> StepOutput:
+        return cls(np.asarray(ids, np.int64), np.zeros(len(ids), np.float32))
+
+
 class RequestUpdate(NamedTuple):
-    """What one step changed for one request: new tokens, and whether it finished."""
+    """What one step changed for one request: a new token and its log-probabilities, and
+    whether the request finished (by its token or its length)."""
 
     req: Request
-    new_token_ids: list[int]
+    token_id: int
+    logprob: float
+    top: tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]] | None  # its alternatives
     finished: bool
 
 
@@ -76,6 +107,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.tables = BlockTables(max_num_seqs)
         self._next_step = 0
+        self.num_preemptions = 0
 
     # --- requests in and out ------------------------------------------------------------
 
@@ -90,13 +122,13 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        self._finish(req, RequestStatus.FINISHED_CANCELLED)
+        self.finish(req, RequestStatus.FINISHED_CANCELLED)
         return req
 
     def fail_all(self) -> list[Request]:
         reqs = list(self.requests.values())
         for req in reqs:
-            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self.finish(req, RequestStatus.FINISHED_ERROR)
         return reqs
 
     @property
@@ -118,6 +150,8 @@ class Scheduler:
         budget = self.max_batch_tokens
         chosen: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        assigned: list[Request] = []
+        admitted: list[Request] = []
 
         for req in list(self.running):
             if budget == 0:
@@ -145,9 +179,12 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.blocks.grow(req.block_ids, total)
+            if req.status is RequestStatus.WAITING:
+                admitted.append(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.tables.assign(req)
+            assigned.append(req)
             chosen.append((req, num_new))
             budget -= num_new
 
@@ -157,14 +194,18 @@ class Scheduler:
             step,
             [self._commit(req, n, step, i) for i, (req, n) in enumerate(chosen)],
             preempted,
+            assigned,
+            admitted,
             self.tables.rows,
         )
 
-    def update(
-        self, plan: StepPlan, sampled_ids: Sequence[int] | npt.NDArray[np.int64]
-    ) -> list[RequestUpdate]:
-        """Apply step ``plan``'s sampled ids (one per seq, in plan order)."""
+    def update(self, plan: StepPlan, output: StepOutput) -> list[RequestUpdate]:
+        """Apply step ``plan``'s results (one row per seq, in plan order)."""
         updates = []
+        ids = output.sampled_ids.tolist()  # Python ints: one conversion, not one per seq
+        logprobs = output.sampled_logprobs.tolist()
+        if output.prompt_logprobs is not None:
+            self._collect_prompt_logprobs(plan, output)
         for index, seq in enumerate(plan.seqs):
             req = seq.req
             if not seq.samples:
@@ -174,13 +215,35 @@ class Scheduler:
             req.num_pending_tokens -= 1
             if req.num_pending_tokens == 0:
                 req.pending_seq_index = None
-            token_id = int(sampled_ids[index])
+            token_id = ids[index]
             req.append_output(token_id)
             finished_as = req.stop_reason_after(token_id)
             if finished_as is not None:
-                self._finish(req, finished_as)
-            updates.append(RequestUpdate(req, [token_id], finished_as is not None))
+                self.finish(req, finished_as)
+            top = None
+            if req.params.logprobs and output.top_ids is not None:
+                assert output.top_logprobs is not None
+                k = req.params.logprobs
+                top = (output.top_ids[index, :k], output.top_logprobs[index, :k])
+            updates.append(
+                RequestUpdate(req, token_id, logprobs[index], top, finished_as is not None)
+            )
         return updates
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End ``req`` as ``status`` and free what it holds; its rows in steps still in flight
+        are wasted. The one way a request ends, whoever decides it (its token, its length,
+        a stop string in its text, a cancel); finishing twice is a no-op."""
+        if req.is_finished:
+            return
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+            self.tables.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req.block_ids)
+        self.requests.pop(req.request_id, None)
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -215,6 +278,7 @@ class Scheduler:
         self.blocks.free(req.block_ids)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
@@ -233,16 +297,31 @@ class Scheduler:
             req.num_pending_tokens += 1
             req.pending_seq_index = seq_index
             req.pending_step = step
-        return ScheduledSeq(req, start, num_new, samples, carry_src, output_index)
+        buffer = req.prompt_logprobs
+        prompt_logprobs = (
+            buffer is not None and not buffer.complete and start < req.num_prompt_tokens - 1
+        )
+        return ScheduledSeq(req, start, num_new, samples, carry_src, output_index, prompt_logprobs)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.is_finished:
-            return
-        req.status = status
-        if req in self.running:
-            self.running.remove(req)
-            self.tables.release(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.blocks.free(req.block_ids)
-        self.requests.pop(req.request_id, None)
+    def _collect_prompt_logprobs(self, plan: StepPlan, output: StepOutput) -> None:
+        """Each prompt row's log-probability of the prompt token after it (the last prompt
+        token's row samples the first output instead)."""
+        assert output.prompt_logprobs is not None
+        assert output.prompt_top_ids is not None and output.prompt_top_logprobs is not None
+        row = 0
+        for seq in plan.seqs:
+            rows = slice(row, row + seq.num_query_tokens)
+            row += seq.num_query_tokens
+            buffer = seq.req.prompt_logprobs
+            if not seq.prompt_logprobs or buffer is None:
+                continue
+            k = seq.req.params.prompt_logprobs or 0
+            end = min(seq.num_query_tokens, seq.req.num_prompt_tokens - 1 - seq.start)
+            positions = np.arange(seq.start, seq.start + end)
+            keep = slice(rows.start, rows.start + end)
+            buffer.write(
+                positions,
+                output.prompt_logprobs[keep],
+                output.prompt_top_ids[keep, :k],
+                output.prompt_top_logprobs[keep, :k],
+            )

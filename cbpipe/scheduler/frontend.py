@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -22,10 +23,12 @@ from cbpipe.protocol.messages import (
     ErrorKind,
     Finished,
     FinishReasonName,
+    GetStats,
     Goodbye,
     Hello,
     Message,
     ProtocolError,
+    Stats,
     Submit,
     Tokens,
     Welcome,
@@ -79,7 +82,12 @@ class Frontend:
             Submit: self._on_submit,
             Cancel: self._on_cancel,
             Goodbye: self._on_goodbye,
+            GetStats: self._on_get_stats,
         }
+        # Counters since start, for ``Stats``.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_steps = 0
 
     # --- inbound ------------------------------------------------------------------------
 
@@ -121,6 +129,8 @@ class Frontend:
             return
         self._origins[req.request_id] = origin
         self._engine_ids[origin] = req.request_id
+        req.arrival_ns = time.perf_counter_ns()
+        self.num_prompt_tokens += req.num_prompt_tokens
         self.scheduler.add_request(req)
 
     def _on_cancel(self, identity: bytes, message: Message) -> None:
@@ -131,6 +141,22 @@ class Frontend:
         req = self.scheduler.cancel(engine_id)
         if req is not None:
             self._finish(req)
+
+    def _on_get_stats(self, identity: bytes, message: Message) -> None:
+        scheduler = self.scheduler
+        blocks = scheduler.blocks
+        self._send(
+            identity,
+            Stats(
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_generation_tokens=self.num_generation_tokens,
+                num_preemptions=scheduler.num_preemptions,
+                num_steps=self.num_steps,
+            ),
+        )
 
     def _on_goodbye(self, identity: bytes, message: Message) -> None:
         """The client is closing and nobody will read these jobs' tokens: stop them now."""
@@ -196,15 +222,15 @@ class Frontend:
 
     def publish(self, updates: list[RequestUpdate]) -> None:
         """Stream a step's new tokens: one frame per client, then one per finished job."""
-        by_client: dict[bytes, tuple[list[int], list[list[int]]]] = {}
+        self.num_steps += 1
+        self.num_generation_tokens += len(updates)
+        by_client: dict[bytes, list[tuple[Origin, RequestUpdate]]] = {}
         for update in updates:
             origin = self._origins.get(update.req.request_id)
             if origin is not None:
-                ids, tokens = by_client.setdefault(origin.identity, ([], []))
-                ids.append(origin.client_request_id)
-                tokens.append(update.new_token_ids)
-        for identity, (ids, tokens) in by_client.items():
-            self._send(identity, Tokens(ids, tokens))
+                by_client.setdefault(origin.identity, []).append((origin, update))
+        for identity, entries in by_client.items():
+            self._send(identity, _tokens_frame(entries))
         for update in updates:
             if update.finished:
                 self._finish(update.req)
@@ -218,8 +244,18 @@ class Frontend:
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
         reason = cast(FinishReasonName, FINISH_REASONS[req.status].value)
+        queued_ns = (req.first_scheduled_ns or req.arrival_ns) - req.arrival_ns
         self._send(
-            origin.identity, Finished(origin.client_request_id, reason, text, req.num_prompt_tokens)
+            origin.identity,
+            Finished(
+                origin.client_request_id,
+                reason,
+                text,
+                req.num_prompt_tokens,
+                index=req.sample_index,
+                stop_reason=req.stop_reason,
+                queue_time_s=queued_ns / 1e9,
+            ),
         )
 
     def fail_everything(self, reason: str) -> None:
@@ -238,3 +274,26 @@ class Frontend:
             self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("client %s is not reading; dropped a %s", identity.hex(), message.TYPE)
+
+
+def _tokens_frame(entries: list[tuple[Origin, RequestUpdate]]) -> Tokens:
+    """One client's share of a step as one ``Tokens`` frame; optional columns only when a job
+    in it asked for them."""
+    updates = [u for _, u in entries]
+    with_logprobs = any(u.req.params.logprobs is not None for u in updates)
+    with_top = any(u.top is not None for u in updates)
+    with_indices = any(u.req.sample_index for u in updates)
+    return Tokens(
+        request_ids=[origin.client_request_id for origin, _ in entries],
+        token_ids=[[u.token_id] for u in updates],
+        indices=[u.req.sample_index for u in updates] if with_indices else None,
+        logprobs=[[u.logprob] if u.req.params.logprobs is not None else [] for u in updates]
+        if with_logprobs
+        else None,
+        top_ids=[[u.top[0].tolist()] if u.top is not None else [] for u in updates]
+        if with_top
+        else None,
+        top_logprobs=[[u.top[1].tolist()] if u.top is not None else [] for u in updates]
+        if with_top
+        else None,
+    )

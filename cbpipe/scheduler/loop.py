@@ -145,6 +145,8 @@ class EngineLoop:
                 )
             self._blocked = True  # until a step in flight comes back
             return
+        for req in plan.admitted:
+            req.first_scheduled_ns = schedule_start_ns
         slot = self._next_slot
         # The previous step in flight (if any) is the one whose sampled ids carry over.
         previous = self._last_slot if self.in_flight else None
@@ -192,8 +194,8 @@ class EngineLoop:
             raise WorkerLost(f"worker reported step {message.step} out of order")
         done_recv_ns = time.perf_counter_ns()
         done = self.in_flight.popleft()
-        sampled = self.packer.sampled_ids(done.slot, len(done.plan.seqs))
-        updates = self.scheduler.update(done.plan, sampled)
+        output = self.packer.read_output(done.slot, done.step)
+        updates = self.scheduler.update(done.plan, output)
         update_end_ns = time.perf_counter_ns()
         self.unpublished.append(Applied(done, message, updates, done_recv_ns, update_end_ns))
         log.debug(

@@ -1,17 +1,97 @@
-"""Writes a ``StepPlan`` into a slot's input arrays and reads sampled ids back.
+"""Writes a ``StepPlan`` into a slot and reads the step's outputs back.
 
 This runs once per step on the scheduler's critical path, so per-sequence work is plain
 Python list building, and each field is written with one numpy assignment; only prefill
-chunks (a few per step, many rows each) are written slice by slice.
+chunks (a few per step, many rows each) are written slice by slice. What a request's rows
+need that never changes while it runs (its sampling parameters) is written once, into a row
+of ``SamplingTable`` when it takes its block-table row, and gathered from there each step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from cbpipe.protocol.messages import Step
-from cbpipe.protocol.slots import SlotLayout, numpy_views
-from cbpipe.scheduler.core import ScheduledSeq, StepPlan
+from cbpipe.protocol.messages import SamplingMode, Step
+from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
+from cbpipe.protocol.slots import SlotLayout, SlotViews, StepInputs, numpy_views
+from cbpipe.scheduler.core import ScheduledSeq, StepOutput, StepPlan
+from cbpipe.scheduler.request import Request
+
+_MODE_RANK = {SamplingMode.GREEDY: 0, SamplingMode.RANDOM: 1, SamplingMode.FULL: 2}
+_MODES = sorted(_MODE_RANK, key=_MODE_RANK.__getitem__)
+
+
+@dataclass
+class SamplingTable:
+    """Each running request's sampling parameters, one row per block-table row.
+
+    ``gather(rows)`` columns go straight into a slot's per-sequence fields.
+    """
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    seed: np.ndarray
+    num_prompt_tokens: np.ndarray
+    mode_rank: np.ndarray  # the sampler the request needs, ranked as ``_MODE_RANK``
+    top_logprobs: np.ndarray  # the request asks for top alternatives
+    bias_state: np.ndarray  # the request has logit-bias entries or a min_tokens ban
+
+    @classmethod
+    def empty(cls, num_rows: int) -> SamplingTable:
+        def column(dtype: type) -> np.ndarray:
+            return np.zeros(num_rows, dtype)
+
+        return cls(
+            temperature=column(np.float32),
+            top_p=column(np.float32),
+            top_k=column(np.int32),
+            min_p=column(np.float32),
+            presence_penalty=column(np.float32),
+            frequency_penalty=column(np.float32),
+            repetition_penalty=column(np.float32),
+            seed=column(np.int64),
+            num_prompt_tokens=column(np.int32),
+            mode_rank=column(np.int8),
+            top_logprobs=column(np.bool_),
+            bias_state=column(np.bool_),
+        )
+
+    def write(self, req: Request) -> None:
+        row, p = req.table_row, req.params
+        assert row is not None
+        self.temperature[row] = p.temperature
+        self.top_p[row] = p.top_p
+        self.top_k[row] = p.top_k
+        self.min_p[row] = p.min_p
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.seed[row] = req.seed
+        self.num_prompt_tokens[row] = req.num_prompt_tokens
+        self.mode_rank[row] = _MODE_RANK[req.sampling_mode]
+        self.top_logprobs[row] = bool(p.logprobs)
+        self.bias_state[row] = bool(p.logit_bias) or p.min_tokens > 0
+
+
+# Slot fields copied from the table's columns of the same name.
+_TABLE_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "num_prompt_tokens",
+)
 
 
 class BatchPacker:
@@ -21,6 +101,10 @@ class BatchPacker:
         self.layout = layout
         self.block_size = block_size
         self._views = [numpy_views(buffer, layout, slot) for slot in range(layout.num_slots)]
+        self.table = SamplingTable.empty(layout.limits.max_seqs)
+
+    def views(self, slot: int) -> SlotViews[np.ndarray]:
+        return self._views[slot]
 
     def pack(self, plan: StepPlan, slot: int, previous_slot: int | None) -> Step:
         """Fill ``slot`` with ``plan`` and return the message that hands it to the worker.
@@ -29,6 +113,7 @@ class BatchPacker:
         over read that slot's sampled ids on the device.
         """
         views = self._views[slot]
+        inputs = views.inputs
         seqs = plan.seqs
         num_seqs, num_tokens = len(seqs), plan.num_tokens
         limits = self.layout.limits
@@ -37,16 +122,22 @@ class BatchPacker:
         carries = any(s.carry_src is not None for s in seqs)
         if carries and previous_slot is None:
             raise ValueError(f"step {plan.step} carries tokens over but no step came before it")
+        for req in plan.assigned:
+            self.table.write(req)
 
         num_decodes = plan.num_single_token_seqs
-        self._pack_decode_rows(views, seqs[:num_decodes])
+        self._pack_decode_rows(inputs, seqs[:num_decodes])
         row = num_decodes
         for index in range(num_decodes, num_seqs):
-            row = self._pack_chunk_rows(views, seqs[index], index, row)
-        width = self._pack_sequences(views, seqs, plan.block_tables)
+            row = self._pack_chunk_rows(views, seqs[index], row)
+        rows = np.fromiter((s.req.table_row for s in seqs), dtype=np.intp, count=num_seqs)
+        width = self._pack_sequences(inputs, seqs, rows, plan.block_tables)
+        mode = _MODES[int(self.table.mode_rank[rows].max())]
+        num_bias_entries = 0
+        if mode is SamplingMode.FULL and self.table.bias_state[rows].any():
+            num_bias_entries = self._pack_bias_entries(views, seqs, rows)
 
-        views["header"][:] = (plan.step, num_tokens, num_seqs, width)
-        params = [s.req.params for s in seqs]
+        inputs.header[:] = (plan.step, num_tokens, num_seqs, width)
         return Step(
             step=plan.step,
             slot=slot,
@@ -57,63 +148,114 @@ class BatchPacker:
             max_context_len=max(s.start + s.num_query_tokens for s in seqs),
             block_table_width=width,
             carry_from_slot=previous_slot if carries else None,
-            all_greedy=all(p.is_greedy for p in params),
-            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            sampling=mode,
+            top_logprobs=bool(self.table.top_logprobs[rows].any()),
+            prompt_logprobs=any(s.prompt_logprobs for s in seqs[num_decodes:]),
+            num_bias_entries=num_bias_entries,
         )
 
-    def sampled_ids(self, slot: int, num_seqs: int) -> np.ndarray:
-        return self._views[slot]["sampled_ids"][:num_seqs].copy()
+    def read_output(self, slot: int, step: Step) -> StepOutput:
+        """The outputs of ``step``, copied out of ``slot`` (the slot is reused afterwards)."""
+        out = self._views[slot].outputs
+        n, t, k = step.num_seqs, step.num_tokens, MAX_TOP_LOGPROBS
+        output = StepOutput(out.sampled_ids[:n].copy(), out.sampled_logprobs[:n].copy())
+        if step.top_logprobs:
+            output.top_ids = out.top_ids[: n * k].reshape(n, k).copy()
+            output.top_logprobs = out.top_logprobs[: n * k].reshape(n, k).copy()
+        if step.prompt_logprobs:
+            output.prompt_logprobs = out.prompt_logprobs[:t].copy()
+            output.prompt_top_ids = out.prompt_top_ids[: t * k].reshape(t, k).copy()
+            output.prompt_top_logprobs = out.prompt_top_logprobs[: t * k].reshape(t, k).copy()
+        return output
 
-    def _pack_decode_rows(self, views: dict[str, np.ndarray], seqs: list[ScheduledSeq]) -> None:
+    def _pack_decode_rows(self, inputs: StepInputs[np.ndarray], seqs: list[ScheduledSeq]) -> None:
         """Rows of one token, seq i on row i: one list per field, one assignment each."""
         n = len(seqs)
         bs = self.block_size
         positions = [s.start for s in seqs]
-        views["positions"][:n] = positions
-        views["slot_mapping"][:n] = [
+        inputs.positions[:n] = positions
+        inputs.slot_mapping[:n] = [
             s.req.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)
         ]
-        views["token_seq"][:n] = np.arange(n)
-        views["carry_mask"][:n] = [s.carry_src is not None for s in seqs]
-        views["carry_src"][:n] = [s.carry_src or 0 for s in seqs]  # 0: a valid unused index
+        inputs.carry_mask[:n] = [s.carry_src is not None for s in seqs]
+        inputs.carry_src[:n] = [s.carry_src or 0 for s in seqs]  # 0: a valid unused index
         # A carried row's id is ignored: the device takes the previous step's sampled id.
-        views["input_ids"][:n] = [0 if s.carry_src is not None else s.req.token_at(s.start)
-                                  for s in seqs]  # fmt: skip
+        inputs.input_ids[:n] = [0 if s.carry_src is not None else s.req.token_at(s.start)
+                                for s in seqs]  # fmt: skip
 
-    def _pack_chunk_rows(
-        self, views: dict[str, np.ndarray], seq: ScheduledSeq, index: int, row: int
-    ) -> int:
+    def _pack_chunk_rows(self, views: SlotViews[np.ndarray], seq: ScheduledSeq, row: int) -> int:
         """A prefill chunk's rows, which start at ``row``; returns the row after them."""
+        inputs = views.inputs
         end = row + seq.num_query_tokens
         positions = np.arange(seq.start, seq.start + seq.num_query_tokens)
         blocks = np.asarray(seq.req.block_ids, dtype=np.int64)
-        views["positions"][row:end] = positions
-        views["slot_mapping"][row:end] = (
+        inputs.positions[row:end] = positions
+        inputs.slot_mapping[row:end] = (
             blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         )
-        views["token_seq"][row:end] = index
-        views["carry_mask"][row:end] = False
-        views["carry_src"][row:end] = 0
-        views["input_ids"][row:end] = seq.req.known_tokens(seq.start, seq.start + (end - row))
+        inputs.carry_mask[row:end] = False
+        inputs.carry_src[row:end] = 0
+        inputs.input_ids[row:end] = seq.req.known_tokens(seq.start, seq.start + (end - row))
+        if seq.prompt_logprobs:
+            # Each row's target is the token after it; rows past the prompt's second-to-last
+            # token have none (the last prompt row samples an output instead).
+            targets = seq.req.known_tokens(seq.start + 1, seq.start + 1 + (end - row))
+            views.extras.prompt_targets[row : row + len(targets)] = targets
         return end
 
     def _pack_sequences(
-        self, views: dict[str, np.ndarray], seqs: list[ScheduledSeq], block_tables: np.ndarray
+        self,
+        inputs: StepInputs[np.ndarray],
+        seqs: list[ScheduledSeq],
+        rows: np.ndarray,
+        block_tables: np.ndarray,
     ) -> int:
         """Per-sequence fields and block tables; returns the block-table row width."""
         n = len(seqs)
         lengths = [s.num_query_tokens for s in seqs]
-        views["query_start"][0] = 0
-        views["query_start"][1 : n + 1] = np.cumsum(lengths)
-        views["context_lens"][:n] = [s.start + s.num_query_tokens for s in seqs]
-        views["output_index"][:n] = [s.output_index for s in seqs]
-        views["seed"][:n] = [s.req.seed for s in seqs]
-        params = [s.req.params for s in seqs]
-        views["temperature"][:n] = [p.temperature for p in params]
-        views["top_p"][:n] = [p.top_p for p in params]
-        views["top_k"][:n] = [p.top_k for p in params]
+        inputs.query_start[0] = 0
+        inputs.query_start[1 : n + 1] = np.cumsum(lengths)
+        inputs.context_lens[:n] = [s.start + s.num_query_tokens for s in seqs]
+        inputs.output_index[:n] = [s.output_index for s in seqs]
+        inputs.request_row[:n] = rows
+        inputs.prompt_logprobs[:n] = [s.prompt_logprobs for s in seqs]
+        for name in _TABLE_FIELDS:
+            getattr(inputs, name)[:n] = getattr(self.table, name)[rows]
         width = max(len(s.req.block_ids) for s in seqs)
-        rows = np.fromiter((s.req.table_row for s in seqs), dtype=np.intp, count=n)
         # Columns past a sequence's own blocks hold stale ids; context_lens keeps them unread.
-        views["block_tables"][: n * width].reshape(n, width)[:] = block_tables[rows, :width]
+        inputs.block_tables[: n * width].reshape(n, width)[:] = block_tables[rows, :width]
         return width
+
+    def _pack_bias_entries(
+        self, views: SlotViews[np.ndarray], seqs: list[ScheduledSeq], rows: np.ndarray
+    ) -> int:
+        """Logit-bias entries for the sequences whose device rows change in this step: on
+        their first rows (the device has just reset their state) their logit_bias, and a ban
+        of their ending tokens while short of min_tokens; lifted when the output that may end
+        them is sampled. Returns the number of entries."""
+        extras = views.extras
+        count = 0
+        for index in np.flatnonzero(self.table.bias_state[rows]).tolist():
+            seq = seqs[index]
+            entries = _bias_entries(seq)
+            if not entries:
+                continue
+            end = count + len(entries)
+            extras.bias_rows[count:end] = rows[index]
+            extras.bias_token_ids[count:end] = [token for token, _ in entries]
+            extras.bias_values[count:end] = [value for _, value in entries]
+            count = end
+        return count
+
+
+def _bias_entries(seq: ScheduledSeq) -> list[tuple[int, float]]:
+    req, params = seq.req, seq.req.params
+    entries: list[tuple[int, float]] = []
+    if seq.start == 0:
+        entries.extend(params.logit_bias)
+        if seq.output_index < params.min_tokens:
+            entries.extend((token, float("-inf")) for token in req.banned_until_min_tokens)
+    elif seq.samples and params.min_tokens and seq.output_index == params.min_tokens:
+        bias = dict(params.logit_bias)
+        entries.extend((token, bias.get(token, 0.0)) for token in req.banned_until_min_tokens)
+    return entries

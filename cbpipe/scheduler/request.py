@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import SamplingParams
 
 
@@ -70,11 +73,29 @@ class Request:
     table_row: int | None = None  # its row in the scheduler's BlockTables while running
     num_known_tokens: int = field(init=False)
     num_preemptions: int = 0
+    sample_index: int = 0  # which of its job's ``n`` samples this request is
+    # What stopped it: a stop token id, or the stop string the text stage matched.
+    stop_reason: int | str | None = None
+    # Set by the process loop: when the request arrived and was first scheduled (host clock).
+    arrival_ns: int = 0
+    first_scheduled_ns: int | None = None
+    sampling_mode: SamplingMode = field(init=False)
+    prompt_logprobs: PromptLogprobsBuffer | None = field(init=False)
 
     def __post_init__(self) -> None:
         # Prompt plus outputs, counted rather than measured: the scheduler reads it several
         # times per request per step. Outputs grow only through ``append_output``.
         self.num_known_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        params = self.params
+        if params.needs_full_sampling:
+            self.sampling_mode = SamplingMode.FULL
+        elif params.is_greedy:
+            self.sampling_mode = SamplingMode.GREEDY
+        else:
+            self.sampling_mode = SamplingMode.RANDOM
+        self.prompt_logprobs = None
+        if params.prompt_logprobs is not None and len(self.prompt_token_ids) > 1:
+            self.prompt_logprobs = PromptLogprobsBuffer(len(self.prompt_token_ids))
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -121,14 +142,64 @@ class Request:
         head = self.prompt_token_ids[start:num_prompt] if start < num_prompt else []
         return head + self.output_token_ids[max(start - num_prompt, 0) : stop - num_prompt]
 
+    @property
+    def banned_until_min_tokens(self) -> tuple[int, ...]:
+        """Tokens that would end the request, banned while it is short of ``min_tokens``."""
+        ends = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ends |= self.eos_token_ids
+        return tuple(sorted(ends))
+
     def stop_reason_after(self, token_id: int) -> RequestStatus | None:
         """The finished state that appending ``token_id`` (already appended) leads to."""
-        if token_id in self.params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+        ends = token_id in self.params.stop_token_ids or (
+            not self.params.ignore_eos and token_id in self.eos_token_ids
+        )
+        # Ending tokens are banned on the device until min_tokens outputs exist.
+        if ends and len(self.output_token_ids) > self.params.min_tokens:
+            self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= self.params.max_new_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.num_known_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+class PromptLogprobsBuffer:
+    """Prompt log-probabilities as the steps of a prompt's chunks deliver them.
+
+    Indexed by position: entry ``p`` is prompt token ``p``'s log-probability given the tokens
+    before it, so position 0 has none. A prompt recomputed after a preemption delivers the
+    same values again, which overwrite; ``complete`` once every position has one.
+    """
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.logprobs = np.zeros(num_prompt_tokens, np.float32)
+        self.top_ids: np.ndarray | None = None  # [num_prompt, k], allocated on first write
+        self.top_logprobs: np.ndarray | None = None
+        self._filled = np.zeros(num_prompt_tokens, bool)
+        self._filled[0] = True
+        self.sent = False
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._filled.all())
+
+    def write(
+        self,
+        positions: np.ndarray,
+        logprobs: np.ndarray,
+        top_ids: np.ndarray,
+        top_logprobs: np.ndarray,
+    ) -> None:
+        """Values predicted at ``positions``, which belong to the tokens one further on."""
+        targets = positions + 1
+        self.logprobs[targets] = logprobs
+        if self.top_ids is None or self.top_logprobs is None:
+            shape = (len(self.logprobs), top_ids.shape[1])
+            self.top_ids = np.zeros(shape, np.int32)
+            self.top_logprobs = np.zeros(shape, np.float32)
+        self.top_ids[targets] = top_ids
+        self.top_logprobs[targets] = top_logprobs
+        self._filled[targets] = True

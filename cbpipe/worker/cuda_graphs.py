@@ -24,7 +24,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from cbpipe.protocol.messages import Step
+from cbpipe.protocol.messages import SamplingMode, Step
 
 SlotT = TypeVar("SlotT")
 
@@ -119,12 +119,13 @@ class DecodeGraphs:
         """The graph that runs ``step``, or None if it must run eagerly."""
         if not self._graphs or step.num_single_token_seqs != step.num_seqs:
             return None
-        if step.needs_top_k_top_p:
+        if step.sampling is SamplingMode.FULL:
             return None
         index = bisect.bisect_left(self.batch_sizes, step.num_seqs)  # the smallest that fits
         if index == len(self.batch_sizes):
             return None
-        return self._graphs[self.batch_sizes[index], step.slot, step.all_greedy]
+        all_greedy = step.sampling is SamplingMode.GREEDY
+        return self._graphs[self.batch_sizes[index], step.slot, all_greedy]
 
 
 def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) -> Replayable:

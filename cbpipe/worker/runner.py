@@ -24,13 +24,22 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from cbpipe.protocol.messages import Step, StepDone
-from cbpipe.protocol.slots import HEADER_FIELDS, SlotLayout
+from cbpipe.protocol.messages import SamplingMode, Step, StepDone
+from cbpipe.protocol.slots import (
+    HEADER_FIELDS,
+    FieldLayout,
+    Region,
+    SlotLayout,
+    StepExtras,
+    StepInputs,
+    StepOutputs,
+)
 from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep, PrefillKernel
 from cbpipe.worker.cuda_graphs import DecodeGraphs, tuning_batch
 from cbpipe.worker.sampler import SamplingInputs, sample
@@ -43,16 +52,16 @@ _NUM_SEQS = HEADER_FIELDS.index("num_seqs")
 _WIDTH = HEADER_FIELDS.index("block_table_width")
 
 
-def _typed_views(buffer: torch.Tensor, layout: SlotLayout, region_offset: int) -> dict:
+def _typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Region) -> Any:
     """Typed tensors over the fields of one region held in a flat uint8 ``buffer``."""
-    views = {}
-    for name, f in layout.fields.items():
-        start = f.offset - region_offset
-        if start < 0 or start + f.nbytes > buffer.numel():
-            continue  # the field lives in the other region
+    region_start = layout.region(region)[0]
+
+    def tensor(f: FieldLayout) -> torch.Tensor:
+        start = f.offset - region_start
         dtype = torch.from_numpy(np.empty(0, dtype=f.spec.dtype)).dtype
-        views[name] = buffer[start : start + f.nbytes].view(dtype)
-    return views
+        return buffer[start : start + f.nbytes].view(dtype)
+
+    return layout.views(cls, tensor)
 
 
 # Inductor picks each element-wise kernel's tiles by timing a handful of candidates on its
@@ -71,12 +80,17 @@ def _compile(fn: Callable) -> Callable:
 
 @dataclass
 class SlotBuffers:
-    host_input: torch.Tensor  # uint8 view of the shared slot's input region
-    host_output: torch.Tensor  # uint8 view of the shared slot's output region
+    """One slot's shared host regions, their device copies, and typed views of the copies."""
+
+    host_input: torch.Tensor  # uint8 views of the shared slot's regions
+    host_extras: torch.Tensor
+    host_output: torch.Tensor
     device_input: torch.Tensor
+    device_extras: torch.Tensor
     device_output: torch.Tensor
-    inputs: dict[str, torch.Tensor]  # typed views of device_input
-    outputs: dict[str, torch.Tensor]  # typed views of device_output
+    inputs: StepInputs[torch.Tensor]  # typed views of the device copies
+    extras: StepExtras[torch.Tensor]
+    outputs: StepOutputs[torch.Tensor]
     header: np.ndarray  # host header, read to check the slot holds the announced step
 
 
@@ -243,19 +257,19 @@ class StepRunner:
         num_tokens = num_decodes + prefill_len
         query_start = list(range(num_decodes + 1)) + ([num_tokens] if prefill_len else [])
         inputs = self.slots[0].inputs
-        inputs["header"][_WIDTH] = width
-        inputs["header"][_NUM_SEQS] = num_seqs
-        inputs["input_ids"][:num_tokens] = 0
-        inputs["carry_mask"][:num_tokens] = False
-        inputs["positions"][:num_tokens].copy_(
+        inputs.header[_WIDTH] = width
+        inputs.header[_NUM_SEQS] = num_seqs
+        inputs.input_ids[:num_tokens] = 0
+        inputs.carry_mask[:num_tokens] = False
+        inputs.positions[:num_tokens].copy_(
             torch.tensor([0] * num_decodes + list(range(prefill_len)))
         )
-        inputs["slot_mapping"][:num_tokens] = self.kv_cache.padding_slot
-        inputs["query_start"][: num_seqs + 1].copy_(torch.tensor(query_start))
-        inputs["context_lens"][:num_decodes] = 1
-        inputs["context_lens"][num_decodes:num_seqs] = prefill_len
-        inputs["block_tables"][: num_seqs * width] = self.kv_cache.num_blocks  # padding
-        inputs["temperature"][:num_seqs] = 0.0
+        inputs.slot_mapping[:num_tokens] = self.kv_cache.padding_slot
+        inputs.query_start[: num_seqs + 1].copy_(torch.tensor(query_start))
+        inputs.context_lens[:num_decodes] = 1
+        inputs.context_lens[num_decodes:num_seqs] = prefill_len
+        inputs.block_tables[: num_seqs * width] = self.kv_cache.num_blocks  # padding
+        inputs.temperature[:num_seqs] = 0.0
         step = Step(
             step=-1,
             slot=0,
@@ -266,8 +280,10 @@ class StepRunner:
             max_context_len=max(prefill_len, 1),
             block_table_width=width,
             carry_from_slot=None,
-            all_greedy=True,
-            needs_top_k_top_p=False,
+            sampling=SamplingMode.GREEDY,
+            top_logprobs=False,
+            prompt_logprobs=False,
+            num_bias_entries=0,
         )
         self._compute(step, self.slots[0])
 
@@ -298,20 +314,20 @@ class StepRunner:
     def _slot_buffers(self, host: torch.Tensor, slot: int) -> SlotBuffers:
         layout = self.layout
         base = layout.slot_offset(slot)
-        host_input = host[base : base + layout.input_nbytes]
-        host_output = host[base + layout.output_offset : base + layout.slot_nbytes]
-        # Zeros, not garbage: graph replays read rows past a step's own (their ids must be
-        # valid indices), before any step has written them.
-        device_input = torch.zeros_like(host_input, device=self.device)
-        device_output = torch.zeros_like(host_output, device=self.device)
-        header = host_input[: layout.fields["header"].nbytes].numpy().view(np.int64)
+        regions = {}
+        for name in ("inputs", "extras", "outputs"):
+            start, end = layout.region(name)  # type: ignore[arg-type]
+            region = host[base + start : base + end]
+            # Zeros, not garbage: graph replays read rows past a step's own (their ids must be
+            # valid indices), before any step has written them.
+            regions[name] = (region, torch.zeros_like(region, device=self.device))
+        header = regions["inputs"][0][: layout.fields["header"].nbytes].numpy().view(np.int64)
         return SlotBuffers(
-            host_input,
-            host_output,
-            device_input,
-            device_output,
-            _typed_views(device_input, layout, 0),
-            _typed_views(device_output, layout, layout.output_offset),
+            *(regions[name][0] for name in ("inputs", "extras", "outputs")),
+            *(regions[name][1] for name in ("inputs", "extras", "outputs")),
+            _typed_views(regions["inputs"][1], layout, StepInputs, "inputs"),
+            _typed_views(regions["extras"][1], layout, StepExtras, "extras"),
+            _typed_views(regions["outputs"][1], layout, StepOutputs, "outputs"),
             header,
         )
 
@@ -352,6 +368,7 @@ class StepRunner:
         with self._on(self.h2d_stream):
             self._wait(self.compute_done[k])
             slot.device_input[:used].copy_(slot.host_input[:used], non_blocking=True)
+            self._copy_extras(step, slot)
             h2d_done = self._record()
 
         compute_start, compute_end = self._event(timing=True), self._event(timing=True)
@@ -368,17 +385,12 @@ class StepRunner:
             self._record(compute_end)
             self._record(self.compute_done[k])
 
-        num_seqs = step.num_seqs
-        out = self.layout
+        out_nbytes = self.layout.output_nbytes_used(
+            top_logprobs=step.top_logprobs, prompt_logprobs=step.prompt_logprobs
+        )
         with self._on(self.d2h_stream):
             self._wait(self.compute_done[k])
-            for name in ("sampled_ids", "sampled_logprobs"):
-                f = out.fields[name]
-                start = f.offset - out.output_offset
-                nbytes = num_seqs * f.nbytes // f.length
-                slot.host_output[start : start + nbytes].copy_(
-                    slot.device_output[start : start + nbytes], non_blocking=True
-                )
+            slot.host_output[:out_nbytes].copy_(slot.device_output[:out_nbytes], non_blocking=True)
             self._record(self.d2h_done[k])
         self._last_d2h = self.d2h_done[k]
         launched_ns = time.perf_counter_ns()
@@ -389,23 +401,38 @@ class StepRunner:
             step, recv_ns, launched_ns, self.d2h_done[k], (compute_start, compute_end), self.clock
         )
 
+    def _copy_extras(self, step: Step, slot: SlotBuffers) -> None:
+        """The used prefix of each extras field this step reads, host to device."""
+        counts = {}
+        if step.num_bias_entries:
+            for name in ("bias_rows", "bias_token_ids", "bias_values"):
+                counts[name] = step.num_bias_entries
+        if step.prompt_logprobs:
+            counts["prompt_targets"] = step.num_tokens
+        extras_start = self.layout.region("extras")[0]
+        for name, count in counts.items():
+            f = self.layout.fields[name]
+            start = f.offset - extras_start
+            end = start + count * f.itemsize
+            slot.device_extras[start:end].copy_(slot.host_extras[start:end], non_blocking=True)
+
     @torch.inference_mode()
     def _compute(self, step: Step, slot: SlotBuffers) -> None:
         """Any step, eagerly; shapes follow the step's sizes."""
         t, s = step.num_tokens, step.num_seqs
         inputs = slot.inputs
         input_ids = self._carry_over(inputs, t, valid=None)
-        positions = inputs["positions"][:t]
-        query_start = inputs["query_start"][: s + 1]
+        positions = inputs.positions[:t]
+        query_start = inputs.query_start[: s + 1]
         width = step.block_table_width
         paged = PagedStep.build(
             self.kv_cache,
-            slot_mapping=inputs["slot_mapping"][:t],
+            slot_mapping=inputs.slot_mapping[:t],
             positions=positions,
             query_start=query_start,
-            context_lens=inputs["context_lens"][:s],
-            block_tables=inputs["block_tables"][: s * width].view(s, width),
-            block_table_width=inputs["header"][_WIDTH : _WIDTH + 1],
+            context_lens=inputs.context_lens[:s],
+            block_tables=inputs.block_tables[: s * width].view(s, width),
+            block_table_width=inputs.header[_WIDTH : _WIDTH + 1],
             num_single_token_seqs=step.num_single_token_seqs,
             max_query_len=step.max_query_len,
             max_context_len=step.max_context_len,
@@ -417,7 +444,13 @@ class StepRunner:
         decode_only = step.num_single_token_seqs == s
         logits_rows = 0 if decode_only else query_start[1:].long() - 1
         logits = self._forward(self.model, input_ids, positions, paged, logits_rows)
-        self._sample(slot, logits, s, step.all_greedy, step.needs_top_k_top_p)
+        self._sample(
+            slot,
+            logits,
+            s,
+            step.sampling is SamplingMode.GREEDY,
+            step.sampling is SamplingMode.FULL,
+        )
 
     @torch.inference_mode()
     def _decode_graph_body(self, slot: SlotBuffers, batch: int, all_greedy: bool) -> None:
@@ -428,34 +461,32 @@ class StepRunner:
         nothing, and their samples land past the ``num_seqs`` rows anyone reads.
         """
         inputs = slot.inputs
-        valid = self._row_ids[:batch] < inputs["header"][_NUM_SEQS]  # [batch]
+        valid = self._row_ids[:batch] < inputs.header[_NUM_SEQS]  # [batch]
         input_ids = self._carry_over(inputs, batch, valid)
-        slot_mapping = torch.where(
-            valid, inputs["slot_mapping"][:batch], self.kv_cache.padding_slot
-        )
-        context_lens = torch.where(valid, inputs["context_lens"][:batch], 0)
+        slot_mapping = torch.where(valid, inputs.slot_mapping[:batch], self.kv_cache.padding_slot)
+        context_lens = torch.where(valid, inputs.context_lens[:batch], 0)
         paged = PagedStep.decode_only(
             self.kv_cache,
             slot_mapping=slot_mapping,
             context_lens=context_lens,
-            block_tables=inputs["block_tables"],
-            block_table_width=inputs["header"][_WIDTH : _WIDTH + 1],
+            block_tables=inputs.block_tables,
+            block_table_width=inputs.header[_WIDTH : _WIDTH + 1],
         )
-        positions = inputs["positions"][:batch]
+        positions = inputs.positions[:batch]
         logits = self._forward(self._decode_model, input_ids, positions, paged, logits_rows=0)
         self._sample(
             slot, logits, batch, all_greedy, needs_top_k_top_p=False, sampler=self._decode_sample
         )
 
     def _carry_over(
-        self, inputs: dict[str, torch.Tensor], num_rows: int, valid: torch.Tensor | None
+        self, inputs: StepInputs[torch.Tensor], num_rows: int, valid: torch.Tensor | None
     ) -> torch.Tensor:
         """Input ids with the carried rows' tokens taken from the last step's samples."""
-        carry = inputs["carry_mask"][:num_rows]
+        carry = inputs.carry_mask[:num_rows]
         if valid is not None:
             carry = carry & valid
-        carried = self.last_sampled[inputs["carry_src"][:num_rows].long()]
-        return torch.where(carry, carried, inputs["input_ids"][:num_rows])
+        carried = self.last_sampled[inputs.carry_src[:num_rows].long()]
+        return torch.where(carry, carried, inputs.input_ids[:num_rows])
 
     @staticmethod
     def _forward(
@@ -486,17 +517,17 @@ class StepRunner:
         ids, logprobs = sampler(
             logits,
             SamplingInputs(
-                temperature=inputs["temperature"][:num_seqs],
-                top_p=inputs["top_p"][:num_seqs],
-                top_k=inputs["top_k"][:num_seqs],
-                seed=inputs["seed"][:num_seqs],
-                output_index=inputs["output_index"][:num_seqs],
+                temperature=inputs.temperature[:num_seqs],
+                top_p=inputs.top_p[:num_seqs],
+                top_k=inputs.top_k[:num_seqs],
+                seed=inputs.seed[:num_seqs],
+                output_index=inputs.output_index[:num_seqs],
                 all_greedy=all_greedy,
                 needs_top_k_top_p=needs_top_k_top_p,
             ),
         )
-        slot.outputs["sampled_ids"][:num_seqs].copy_(ids)
-        slot.outputs["sampled_logprobs"][:num_seqs].copy_(logprobs)
+        slot.outputs.sampled_ids[:num_seqs].copy_(ids)
+        slot.outputs.sampled_logprobs[:num_seqs].copy_(logprobs)
         self.last_sampled[:num_seqs].copy_(ids)
 
     # --- stream helpers that do nothing on the CPU ----------------------------------------

@@ -1,6 +1,6 @@
 """Which decode bodies exist and the order they first run in (on the CPU, nothing captured)."""
 
-from cbpipe.protocol.messages import Step
+from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.worker.cuda_graphs import DecodeGraphs, bucket_sizes, tuning_batch
 
 
@@ -31,6 +31,7 @@ def test_a_first_batch_runs_before_every_capture_in_both_modes() -> None:
     assert len(graphs) == 7 * 2 * 2
     step = Step(step=0, slot=1, num_tokens=20, num_seqs=20, num_single_token_seqs=20,
                 max_query_len=1, max_context_len=100, block_table_width=8,
-                carry_from_slot=None, all_greedy=True, needs_top_k_top_p=False)  # fmt: skip
+                carry_from_slot=None, sampling=SamplingMode.GREEDY, top_logprobs=False,
+                prompt_logprobs=False, num_bias_entries=0)  # fmt: skip
     graphs.find(step).replay()
     assert calls[-1] == ("b", 32, True)

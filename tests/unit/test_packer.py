@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits, numpy_views
 from cbpipe.scheduler.block_manager import BlockManager
@@ -44,22 +45,21 @@ def test_packed_prefill_rows_sequences_and_block_tables() -> None:
     assert [s.req for s in plan.seqs] == [b, a]
     assert (step.num_tokens, step.num_seqs, step.num_single_token_seqs) == (7, 2, 1)
     assert (step.max_query_len, step.max_context_len, step.block_table_width) == (6, 6, 2)
-    assert step.carry_from_slot is None and not step.all_greedy and step.needs_top_k_top_p
-    assert views["input_ids"][:7].tolist() == [21, 11, 12, 13, 14, 15, 16]
-    assert views["positions"][:7].tolist() == [0, 0, 1, 2, 3, 4, 5]
-    assert views["token_seq"][:7].tolist() == [0, 1, 1, 1, 1, 1, 1]
-    assert views["query_start"][:3].tolist() == [0, 1, 7]
-    assert views["context_lens"][:2].tolist() == [1, 6]
-    tables = views["block_tables"][:4].reshape(2, 2)
+    assert step.carry_from_slot is None and step.sampling is SamplingMode.FULL
+    assert views.inputs.input_ids[:7].tolist() == [21, 11, 12, 13, 14, 15, 16]
+    assert views.inputs.positions[:7].tolist() == [0, 0, 1, 2, 3, 4, 5]
+    assert views.inputs.query_start[:3].tolist() == [0, 1, 7]
+    assert views.inputs.context_lens[:2].tolist() == [1, 6]
+    tables = views.inputs.block_tables[:4].reshape(2, 2)
     assert tables[0, 0] == b.block_ids[0] and tables[1].tolist() == a.block_ids
     expected_slots = [b.block_ids[0] * BLOCK] + [
         a.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(6)
     ]
-    assert views["slot_mapping"][:7].tolist() == expected_slots
-    assert views["seed"][:2].tolist() == [102, 101]
-    assert np.allclose(views["temperature"][:2], [0.0, 0.5])
-    assert views["header"].tolist() == [plan.step, 7, 2, 2]
-    assert not views["carry_mask"][:7].any()
+    assert views.inputs.slot_mapping[:7].tolist() == expected_slots
+    assert views.inputs.seed[:2].tolist() == [102, 101]
+    assert np.allclose(views.inputs.temperature[:2], [0.0, 0.5])
+    assert views.inputs.header.tolist() == [plan.step, 7, 2, 2]
+    assert not views.inputs.carry_mask[:7].any()
 
 
 def test_decode_rows_carry_the_previous_steps_token() -> None:
@@ -70,8 +70,8 @@ def test_decode_rows_carry_the_previous_steps_token() -> None:
     step = packer.pack(scheduler.schedule(), slot=1, previous_slot=0)
     views = numpy_views(buffer, layout, 1)
     assert step.carry_from_slot == 0
-    assert views["carry_mask"][0] and views["carry_src"][0] == 0
-    assert views["positions"][0] == 3 and views["output_index"][0] == 1
+    assert views.inputs.carry_mask[0] and views.inputs.carry_src[0] == 0
+    assert views.inputs.positions[0] == 3 and views.inputs.output_index[0] == 1
 
 
 def test_carry_over_without_a_previous_step_is_refused() -> None:

@@ -7,6 +7,7 @@ from cbpipe.protocol import (
     Error,
     ErrorKind,
     ProtocolError,
+    SamplingMode,
     SamplingParams,
     Step,
     Submit,
@@ -25,7 +26,7 @@ def test_round_trip_of_every_field_kind() -> None:
     assert decode(encode(Submit(1, "text", SamplingParams(3)))).prompt == "text"
     error = Error(None, ErrorKind.ENGINE, "gone")
     assert decode(encode(error)) == error
-    step = Step(3, 1, 10, 2, 1, 9, 12, 1, None, True, False)
+    step = Step(3, 1, 10, 2, 1, 9, 12, 1, None, SamplingMode.FULL, True, False, 5)
     assert decode(encode(step)) == step
 
 
@@ -69,15 +70,34 @@ def test_expected_types_restrict_what_a_socket_accepts() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        (SamplingParams(0), "max_new_tokens must be >= 1"),
+        (SamplingParams(0), r"max_new_tokens must be in \[1, "),
         (SamplingParams(1.5), "max_new_tokens must be an integer"),  # type: ignore[arg-type]
-        (SamplingParams(1, temperature=-1), "temperature must be >= 0"),
+        (SamplingParams(1, temperature=-1), r"temperature must be in \[0, "),
         (SamplingParams(1, temperature=float("nan")), "temperature must be finite"),
         (SamplingParams(1, top_p=0.0), "top_p"),
         (SamplingParams(1, top_p=1.5), "top_p"),
+        # Legal as a double, 0 as the float32 the device computes with: every token masked.
+        (SamplingParams(1, top_p=1e-300), "top_p"),
         (SamplingParams(1, top_k=-1), "top_k"),
+        (SamplingParams(1, top_k=2**31), "top_k"),  # overflows the slot's int32
         (SamplingParams(1, seed=-3), "seed"),
         (SamplingParams(1, stop_token_ids=(-1,)), "stop_token_ids"),
+        (SamplingParams(1, stop_token_ids=tuple(range(65))), "at most 64"),
+        (SamplingParams(1, min_p=1.5), "min_p"),
+        (SamplingParams(1, min_p=1e-300), "min_p"),
+        (SamplingParams(4, min_tokens=5), "min_tokens"),
+        (SamplingParams(1, presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(1, frequency_penalty=-3.0), "frequency_penalty"),
+        (SamplingParams(1, repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(1, logit_bias=((5, 101.0),)), r"logit_bias\[5\]"),
+        (SamplingParams(1, logit_bias=((5, 1.0), (5, 2.0))), "twice"),
+        (SamplingParams(1, logit_bias=((-1, 1.0),)), "logit_bias token id"),
+        (SamplingParams(1, logprobs=21), "logprobs"),
+        (SamplingParams(1, prompt_logprobs=-1), "prompt_logprobs"),
+        (SamplingParams(1, n=0), "n must be"),
+        (SamplingParams(1, stop=("",)), "stop string"),
+        (SamplingParams(1, stop=("x" * 257,)), "stop string"),
+        (SamplingParams(1, stop=("a",), detokenize=False), "need detokenize"),
     ],
 )
 def test_sampling_params_validation(params: SamplingParams, message: str) -> None:

@@ -6,7 +6,7 @@ import random
 
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.scheduler.block_manager import BlockManager
-from cbpipe.scheduler.core import Scheduler, StepPlan
+from cbpipe.scheduler.core import Scheduler, StepOutput, StepPlan
 from cbpipe.scheduler.request import Request, RequestStatus
 
 EOS = 2
@@ -43,17 +43,17 @@ def test_prefill_is_chunked_by_the_token_budget_and_decodes_come_first() -> None
     scheduler.add_request(long)
     plan = scheduler.schedule()
     assert [(s.req, s.num_query_tokens, s.samples) for s in plan.seqs] == [(long, 10, False)]
-    scheduler.update(plan, fake_tokens(plan))
+    scheduler.update(plan, StepOutput.of_ids(fake_tokens(plan)))
     scheduler.add_request(short)
     plan = scheduler.schedule()
     assert [(s.req, s.num_query_tokens) for s in plan.seqs] == [(long, 10)]
-    scheduler.update(plan, fake_tokens(plan))
+    scheduler.update(plan, StepOutput.of_ids(fake_tokens(plan)))
     plan = scheduler.schedule()  # 5 left of the long prompt, then the short one
     assert [(s.req, s.start, s.num_query_tokens, s.samples) for s in plan.seqs] == [
         (long, 20, 5, True),
         (short, 0, 3, True),
     ]
-    scheduler.update(plan, fake_tokens(plan))
+    scheduler.update(plan, StepOutput.of_ids(fake_tokens(plan)))
     plan = scheduler.schedule()
     assert [s.num_query_tokens for s in plan.seqs] == [1, 1]
     assert long.output_token_ids == [5]
@@ -68,13 +68,13 @@ def test_async_planning_carries_pending_tokens_from_the_previous_step() -> None:
     (seq,) = second.seqs
     assert seq.carry_src == 0 and seq.start == 3 and seq.output_index == 1
     assert req.num_pending_tokens == 2
-    scheduler.update(first, [7])
+    scheduler.update(first, StepOutput.of_ids([7]))
     third = scheduler.schedule()
     assert third.seqs[0].carry_src == 0 and third.seqs[0].output_index == 2
-    scheduler.update(second, [8])
+    scheduler.update(second, StepOutput.of_ids([8]))
     # Three tokens are planned: nothing more may be scheduled, even before they are known.
     assert not scheduler.has_work
-    scheduler.update(third, [9])
+    scheduler.update(third, StepOutput.of_ids([9]))
     assert req.output_token_ids == [7, 8, 9] and req.status is RequestStatus.FINISHED_LENGTH
     assert scheduler.is_idle and scheduler.blocks.num_free_blocks == 64
 
@@ -90,11 +90,11 @@ def test_three_steps_deep_each_row_carries_the_previous_steps_token() -> None:
         (4, 0, 2),
     ]
     assert req.num_pending_tokens == 3 and req.pending_step == 2
-    scheduler.update(plans[0], [7])
+    scheduler.update(plans[0], StepOutput.of_ids([7]))
     fourth = scheduler.schedule()
     assert [(s.start, s.carry_src, s.output_index) for s in fourth.seqs] == [(5, 0, 3)]
     for plan, token in zip([*plans[1:], fourth], [8, 9, 6], strict=True):
-        scheduler.update(plan, [token])
+        scheduler.update(plan, StepOutput.of_ids([token]))
     assert req.output_token_ids == [7, 8, 9, 6] and req.status is RequestStatus.FINISHED_LENGTH
 
 
@@ -114,7 +114,7 @@ def test_a_request_left_out_of_the_last_step_waits_for_its_token() -> None:
     assert [(s.req, s.num_query_tokens) for s in step1.seqs] == [(long, 4)]
     step2 = scheduler.schedule()  # budget left, but short's token is still two steps back
     assert [(s.req, s.carry_src) for s in step2.seqs] == [(long, 0)]
-    scheduler.update(step0, [7, 0])
+    scheduler.update(step0, StepOutput.of_ids([7, 0]))
     step3 = scheduler.schedule()
     assert [(s.req, s.start, s.carry_src) for s in step3.seqs] == [(long, 7, 0), (short, 2, None)]
     assert short.output_token_ids == [7]
@@ -126,9 +126,9 @@ def test_a_row_after_eos_is_wasted_not_applied() -> None:
     scheduler.add_request(req)
     first = scheduler.schedule()
     second = scheduler.schedule()
-    scheduler.update(first, [EOS])
+    scheduler.update(first, StepOutput.of_ids([EOS]))
     assert req.status is RequestStatus.FINISHED_STOPPED
-    assert scheduler.update(second, [11]) == []
+    assert scheduler.update(second, StepOutput.of_ids([11])) == []
     assert req.output_token_ids == [EOS]
     assert scheduler.blocks.num_free_blocks == 64
 
@@ -140,11 +140,11 @@ def test_stop_token_ids_and_ignore_eos() -> None:
     scheduler.add_request(stops)
     scheduler.add_request(ignores)
     plan = scheduler.schedule()
-    scheduler.update(plan, [6, EOS])
+    scheduler.update(plan, StepOutput.of_ids([6, EOS]))
     assert stops.status is RequestStatus.FINISHED_STOPPED
     assert ignores.status is RequestStatus.RUNNING
     plan = scheduler.schedule()
-    scheduler.update(plan, [EOS])
+    scheduler.update(plan, StepOutput.of_ids([EOS]))
     assert ignores.status is RequestStatus.FINISHED_LENGTH and ignores.output_token_ids == [EOS] * 2
 
 
@@ -160,7 +160,7 @@ def test_preemption_frees_the_newest_and_recomputes_it_later() -> None:
             break
         plan = scheduler.schedule()
         preempted += plan.preempted
-        scheduler.update(plan, fake_tokens(plan))
+        scheduler.update(plan, StepOutput.of_ids(fake_tokens(plan)))
     assert new in preempted and old not in preempted
     assert old.output_token_ids == [5] * 8 and new.output_token_ids == [5] * 8
     assert scheduler.blocks.num_free_blocks == 5
@@ -183,7 +183,7 @@ def test_cancel_frees_blocks_at_once_even_with_a_step_in_flight() -> None:
     scheduler.cancel(1)
     assert req.status is RequestStatus.FINISHED_CANCELLED
     assert scheduler.blocks.num_free_blocks == 64 and scheduler.is_idle
-    assert scheduler.update(plan, [5]) == []
+    assert scheduler.update(plan, StepOutput.of_ids([5])) == []
 
 
 def test_a_preempted_request_waits_for_its_pending_token() -> None:
@@ -196,9 +196,9 @@ def test_a_preempted_request_waits_for_its_pending_token() -> None:
     assert b in second.preempted and b.num_pending_tokens == 1
     # b heads the waiting queue now, but its recompute needs the token still in flight.
     assert [s.req for s in second.seqs] == [a]
-    scheduler.update(first, [5, 6])
+    scheduler.update(first, StepOutput.of_ids([5, 6]))
     assert b.output_token_ids == [6] and b.status is RequestStatus.PREEMPTED
-    scheduler.update(second, [7])
+    scheduler.update(second, StepOutput.of_ids([7]))
     third = scheduler.schedule()
     recompute = next(s for s in third.seqs if s.req is b)
     assert (recompute.start, recompute.num_query_tokens, recompute.samples) == (0, 5, True)
@@ -228,7 +228,7 @@ def test_block_table_rows_always_hold_each_running_requests_blocks() -> None:
         in_flight.append(plan)
         if len(in_flight) == 2 or not plan.seqs:
             oldest = in_flight.pop(0)
-            scheduler.update(oldest, fake_tokens(oldest))
+            scheduler.update(oldest, StepOutput.of_ids(fake_tokens(oldest)))
         if rng.random() < 0.02 and scheduler.running:
             scheduler.cancel(rng.choice(scheduler.running).request_id)
     assert preemptions > 0

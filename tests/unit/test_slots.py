@@ -9,8 +9,12 @@ def test_fields_are_aligned_disjoint_and_inputs_come_first() -> None:
     spans = sorted((f.offset, f.offset + f.nbytes, f.spec.region) for f in layout.fields.values())
     for (start, end, _), (next_start, _, _) in zip(spans, spans[1:], strict=False):
         assert start % ALIGN == 0 and end <= next_start
-    inputs = [s for s in spans if s[2] == "input"]
-    assert max(end for _, end, _ in inputs) <= layout.input_nbytes == layout.output_offset
+    for region in ("inputs", "extras", "outputs"):
+        start, end = layout.region(region)
+        inside = [s for s in spans if s[2] == region]
+        assert inside and start <= min(s[0] for s in inside) <= max(s[1] for s in inside) <= end
+    assert layout.region("inputs")[1] <= layout.region("extras")[0]
+    assert layout.region("extras")[1] <= layout.region("outputs")[0]
     assert layout.slot_nbytes % ALIGN == 0
     assert layout.segment_nbytes == 3 * layout.slot_nbytes
     assert layout.fields["block_tables"].length == 7 * 13
@@ -20,7 +24,7 @@ def test_fields_are_aligned_disjoint_and_inputs_come_first() -> None:
 def test_block_tables_are_last_so_a_prefix_copy_covers_a_step() -> None:
     layout = SlotLayout.build(SlotLimits(64, 8, 10))
     tables = layout.fields["block_tables"]
-    others = [f for f in layout.fields.values() if f.spec.region == "input" and f is not tables]
+    others = [f for f in layout.fields.values() if f.spec.region == "inputs" and f is not tables]
     assert all(f.offset < tables.offset for f in others)
     assert layout.input_nbytes_used(num_seqs=3, block_table_width=4) == tables.offset + 3 * 4 * 4
 
@@ -29,11 +33,22 @@ def test_views_of_two_slots_do_not_alias() -> None:
     layout = SlotLayout.build(SlotLimits(16, 4, 4))
     buffer = memoryview(bytearray(layout.segment_nbytes))
     first, second = numpy_views(buffer, layout, 0), numpy_views(buffer, layout, 1)
-    first["input_ids"][:] = 7
-    second["sampled_ids"][:] = 9
-    assert not second["input_ids"].any()
-    assert not first["sampled_ids"].any()
-    assert first["block_tables"].dtype == np.int32 and first["block_tables"].size == 16
+    first.inputs.input_ids[:] = 7
+    second.outputs.sampled_ids[:] = 9
+    assert not second.inputs.input_ids.any()
+    assert not first.outputs.sampled_ids.any()
+    assert first.inputs.block_tables.dtype == np.int32 and first.inputs.block_tables.size == 16
+
+
+def test_output_groups_are_prefixes_of_the_output_region() -> None:
+    layout = SlotLayout.build(SlotLimits(16, 4, 4))
+    start, end = layout.region("outputs")
+    sampled = layout.output_nbytes_used(top_logprobs=False, prompt_logprobs=False)
+    top = layout.output_nbytes_used(top_logprobs=True, prompt_logprobs=False)
+    prompt = layout.output_nbytes_used(top_logprobs=True, prompt_logprobs=True)
+    assert 0 < sampled < top < prompt == end - start
+    logprobs = layout.fields["sampled_logprobs"]
+    assert logprobs.offset + logprobs.nbytes - start == sampled
 
 
 def test_limits_and_slot_count_are_checked() -> None:
