@@ -64,6 +64,14 @@ class SchedulerConfig:
     trace: str | None = _opt(
         None, "write a Chrome/Perfetto trace of every step's CPU phases and GPU span here"
     )
+    step_timeout_s: float = _opt(
+        10.0,
+        "a step the worker has not finished after this long, or after 20 times the slowest "
+        "recent step if that is longer, fails the engine (a hung device)",
+    )
+    max_waiting_requests: int = _opt(
+        65536, "requests queued beyond this are refused as busy (clients get EngineBusy)"
+    )
 
     @property
     def max_in_flight(self) -> int:
@@ -114,6 +122,11 @@ class EngineConfig:
     )
     log_level: Literal["debug", "info", "warning", "error"] = _opt("warning", "log verbosity")
     ready_timeout_s: float = _opt(600.0, "how long to wait for the processes to start")
+    liveness_timeout_s: float = _opt(
+        10.0,
+        "a process whose heartbeat is older than this is declared stuck: the engine fails its "
+        "jobs and stops",
+    )
 
     def validate(self) -> None:
         s, c = self.scheduler, self.cache
@@ -133,6 +146,9 @@ class EngineConfig:
                 "its own slot and CUDA graphs)",
             ),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
+            (s.step_timeout_s > 0, "--step-timeout-s must be > 0"),
+            (s.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1"),
+            (self.liveness_timeout_s > 0, "--liveness-timeout-s must be > 0"),
             (c.block_size >= 1, "--block-size must be >= 1"),
             (c.num_blocks is None or c.num_blocks >= 1, "--num-blocks must be >= 1"),
             (0 < c.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction must be in (0, 1]"),

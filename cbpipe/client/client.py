@@ -29,6 +29,7 @@ from cbpipe.client.jobs import (
     RequestError,
     Result,
     SamplingOptions,
+    error_for,
     make_params,
     prompt_payload,
 )
@@ -37,7 +38,6 @@ from cbpipe.protocol.messages import (
     REPLY_TYPES,
     Cancel,
     Error,
-    ErrorKind,
     Finished,
     GetStats,
     Goodbye,
@@ -192,10 +192,10 @@ class Client:
         params = make_params(max_new_tokens, options)
         job = Job(next(self._ids), params, self)
         frame = encode(Submit(job.request_id, prompt_payload(prompt), params))
-        if len(frame) > MAX_FRAME_BYTES:
+        limit = self._welcome.max_frame_bytes if self._welcome is not None else MAX_FRAME_BYTES
+        if len(frame) > limit:
             raise RequestError(
-                f"request of {len(frame)} bytes exceeds the engine's frame "
-                f"limit of {MAX_FRAME_BYTES} bytes"
+                f"request of {len(frame)} bytes exceeds the engine's frame limit of {limit} bytes"
             )
         with self._jobs_lock:
             self._check_usable()
@@ -318,8 +318,7 @@ class Client:
             self._route(message.request_id, lambda state: state.on_finished(message))
         else:
             assert isinstance(message, Error)
-            error_type = RequestError if message.kind is ErrorKind.REQUEST else EngineError
-            error = error_type(message.message)
+            error = error_for(message.kind, message.message)
             if message.request_id is None or not self._route(
                 message.request_id, lambda state: state.on_error(error)
             ):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from cbpipe.protocol.messages import Finished, PromptLogprobs, Tokens
+from cbpipe.protocol.messages import ErrorKind, Finished, PromptLogprobs, Tokens
 from cbpipe.protocol.sampling import SamplingParams
 
 
@@ -21,6 +21,19 @@ class RequestError(ValueError):
 
 class EngineError(RuntimeError):
     """The engine failed, is gone, or never answered."""
+
+
+class EngineBusy(RuntimeError):
+    """The engine's queue was full: the job was refused for now, and may succeed later."""
+
+
+def error_for(kind: ErrorKind, message: str) -> Exception:
+    """The exception a client raises for an ``Error`` of ``kind``."""
+    return {
+        ErrorKind.REQUEST: RequestError,
+        ErrorKind.BUSY: EngineBusy,
+        ErrorKind.ENGINE: EngineError,
+    }[kind](message)
 
 
 class SamplingOptions(TypedDict, total=False):
