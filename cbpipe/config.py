@@ -9,11 +9,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+from cbpipe import env
+
 DEFAULT_MODEL = "default"
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+def _opt(default: Any, help: str, *, secret: bool = False) -> Any:
+    """A setting and its flag's help; a secret one stays out of ``repr`` (and logs)."""
+    return field(default=default, repr=not secret, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,14 @@ class EngineConfig:
     address: str | None = _opt(
         None, "client address (zmq, e.g. tcp://127.0.0.1:5555); default: a new ipc:// path"
     )
+    allow_remote: bool = _opt(
+        False,
+        "let --address listen beyond this host (needs --api-key: it encrypts the traffic and "
+        "authenticates both ends)",
+    )
+    api_key: str | None = _opt(
+        None, "the key clients must present (default: $CBPIPE_API_KEY)", secret=True
+    )
     log_level: Literal["debug", "info", "warning", "error"] = _opt("warning", "log verbosity")
     ready_timeout_s: float = _opt(600.0, "how long to wait for the processes to start")
     liveness_timeout_s: float = _opt(
@@ -160,6 +171,21 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_address()
+
+    def _check_address(self) -> None:
+        from cbpipe.protocol.security import is_local_address
+
+        if self.address is None or is_local_address(self.address):
+            return
+        if not self.allow_remote:
+            raise ValueError(
+                f"--address {self.address} listens beyond this host, where anyone who can "
+                "reach it could use the engine: pass --allow-remote and --api-key to serve "
+                "other machines (README: serving other machines)"
+            )
+        if not self.api_key:
+            raise ValueError("--allow-remote needs --api-key (or CBPIPE_API_KEY)")
 
 
 # --- flags from fields ----------------------------------------------------------------------
@@ -201,7 +227,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_arguments(args: argparse.Namespace) -> EngineConfig:
     values = vars(args)
-    return _build(EngineConfig, values, ())
+    config = _build(EngineConfig, values, ())
+    if config.api_key is None and (key := env.api_key()) is not None:
+        config = dataclasses.replace(config, api_key=key)
+    return config
 
 
 def _build(cls: type, values: dict[str, Any], prefix: tuple[str, ...]) -> Any:

@@ -23,12 +23,15 @@ import zmq
 import zmq.utils.monitor
 
 from cbpipe.client.jobs import (
+    MONITORED_EVENTS,
     Delta,
     EngineError,
     JobState,
     RequestError,
     Result,
     SamplingOptions,
+    configure_client_socket,
+    connection_error,
     error_for,
     make_params,
     prompt_payload,
@@ -128,16 +131,16 @@ class Job:
 class Client:
     """A connection to one engine. Usable from many threads, and as a context manager."""
 
-    def __init__(self, address: str, *, connect_timeout: float = 30.0) -> None:
+    def __init__(
+        self, address: str, *, connect_timeout: float = 30.0, api_key: str | None = None
+    ) -> None:
+        """Connect to the engine at ``address``; ``api_key`` (default ``$CBPIPE_API_KEY``)
+        is needed for an engine that serves other machines (``--allow-remote``)."""
         self.address = address
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        )
+        configure_client_socket(self._socket, address, api_key)
+        self._monitor = self._socket.get_monitor_socket(MONITORED_EVENTS)
         self._socket.connect(address)
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
@@ -289,8 +292,9 @@ class Client:
             self._socket.send(self._outbox.get())
 
     def _on_monitor_event(self, event: Mapping[str, Any]) -> None:
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            self._fail_all(EngineError(f"lost the connection to the engine at {self.address}"))
+        error = connection_error(event["event"], self.address, self._welcome is not None)
+        if error is not None:
+            self._fail_all(error)
 
     def _on_frame(self, frame: bytes) -> None:
         try:

@@ -11,8 +11,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+import zmq
+
+from cbpipe import env
+from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import ErrorKind, Finished, PromptLogprobs, Tokens
 from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.security import CurveKeys, uses_curve
 
 
 class RequestError(ValueError):
@@ -57,6 +62,50 @@ class SamplingOptions(TypedDict, total=False):
     prompt_logprobs: int | None
     n: int
     detokenize: bool
+
+
+# Replies carry a step's tokens of many jobs: roomy, but bounded.
+CLIENT_MAXMSGSIZE = 256 * 1024 * 1024
+MONITORED_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+
+
+def configure_client_socket(socket: zmq.Socket, address: str, api_key: str | None) -> None:
+    """Options of a client's DEALER socket, before it connects: no queue limits (a job's
+    tokens must never be dropped), ZeroMQ heartbeats (an engine process that stops is noticed
+    within ``HEARTBEAT_TIMEOUT_MS``), and CURVE with the api key off this host."""
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAXMSGSIZE)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    api_key = api_key or env.api_key()
+    if api_key is not None and uses_curve(address, api_key):
+        CurveKeys.from_api_key(api_key).make_client(socket)
+
+
+def connection_error(event: int, address: str, welcomed: bool) -> EngineError | None:
+    """What a socket-monitor event means for the client's jobs, if anything."""
+    if event == zmq.EVENT_DISCONNECTED and not welcomed:
+        return EngineError(
+            f"the engine at {address} closed the connection before it answered: an engine "
+            "that serves other machines needs the client's api key (api_key=, CBPIPE_API_KEY)"
+        )
+    if event == zmq.EVENT_DISCONNECTED:
+        return EngineError(f"lost the connection to the engine at {address}")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return EngineError(f"the engine at {address} refused this client's api key")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return EngineError(
+            f"the engine at {address} and this client disagree on security: one has an api "
+            "key (--api-key, CBPIPE_API_KEY) and the other not"
+        )
+    return None
 
 
 def make_params(max_new_tokens: int, options: SamplingOptions) -> SamplingParams:

@@ -10,12 +10,14 @@ from types import FrameType
 
 import zmq
 import zmq.utils.monitor
+from zmq.auth.thread import ThreadAuthenticator
 
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import MAX_FRAME_BYTES, WorkerFailed, WorkerReady, decode
+from cbpipe.protocol.security import CurveKeys, uses_curve
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler
@@ -98,6 +100,8 @@ def _bind(context: zmq.Context, spec: RunSpec) -> dict[str, zmq.Socket]:
     clients.setsockopt(zmq.ROUTER_MANDATORY, 1)
     clients.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    if spec.config.api_key is not None and uses_curve(spec.addresses.client, spec.config.api_key):
+        _require_curve(context, clients, CurveKeys.from_api_key(spec.config.api_key))
     clients.bind(spec.addresses.client)
     steps = context.socket(zmq.PUSH)
     steps.bind(spec.addresses.worker_steps)
@@ -106,6 +110,27 @@ def _bind(context: zmq.Context, spec: RunSpec) -> dict[str, zmq.Socket]:
     results.bind(spec.addresses.worker_results)
     monitor = results.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     return {"clients": clients, "steps": steps, "results": results, "monitor": monitor}
+
+
+def _require_curve(context: zmq.Context, socket: zmq.Socket, keys: CurveKeys) -> None:
+    """Encrypt the socket's traffic, and accept only clients whose key comes from the same
+    api key. The authenticator is a thread of ZeroMQ's that answers handshakes: it lives
+    as long as the process."""
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve_callback("*", _AllowKey(keys.client_public))
+    keys.make_server(socket)
+
+
+class _AllowKey:
+    def __init__(self, public_key: bytes) -> None:
+        self.public_key = public_key
+
+    def callback(self, domain: str, key: bytes) -> bool:  # key: Z85, as pyzmq passes it
+        allowed = key == self.public_key
+        if not allowed:
+            log.warning("refused a client without the api key")
+        return allowed
 
 
 def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegment) -> EngineLoop:

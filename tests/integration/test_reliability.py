@@ -25,6 +25,7 @@ from cbpipe.engine_process import EngineProcess
 from tests.integration.conftest import (
     MODEL_FLAGS,
     EngineRun,
+    free_tcp_address,
     launch_engine,
     leftover_segments,
     process_start_time,
@@ -189,3 +190,28 @@ def test_the_next_launch_removes_what_a_killed_launch_left() -> None:
     # A clean stop says nothing but the clean-up it did.
     lines = [line for line in run.stderr.splitlines() if "removed what dead launches" not in line]
     assert not lines, run.stderr
+
+
+def test_listening_beyond_this_host_needs_allow_remote_and_a_key() -> None:
+    port = free_tcp_address().rsplit(":", 1)[1]
+    launch = [sys.executable, "-m", "cbpipe.launcher", *MODEL_FLAGS]
+    refused = subprocess.run(
+        [*launch, "--address", f"tcp://0.0.0.0:{port}"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--allow-remote" in refused.stderr
+    no_key = subprocess.run(
+        [*launch, "--address", f"tcp://0.0.0.0:{port}", "--allow-remote"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "CBPIPE_API_KEY"},
+    )
+    assert no_key.returncode == 2 and "--api-key" in no_key.stderr
+    flags = (*MODEL_FLAGS, "--address", f"tcp://0.0.0.0:{port}", "--allow-remote")
+    with launch_engine(*flags, "--api-key", "k3y", timeout=180):
+        address = f"tcp://127.0.0.1:{port}"
+        with Client(address, api_key="k3y") as client:
+            job = client.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+            assert len(job.result(timeout=RESULT_TIMEOUT_S).token_ids) == 4
+        for key in ("wrong", None):
+            with pytest.raises(EngineError, match="api key"):
+                Client(address, api_key=key, connect_timeout=20)

@@ -76,3 +76,35 @@ def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
     assert default.model.max_model_len == resolve_model("default").max_position_embeddings
     with pytest.raises(ValueError, match="exceeds"):
         resolve_limits(EngineConfig(model=ModelConfig(max_model_len=10**7)))
+
+
+@pytest.mark.parametrize(
+    ("address", "local"),
+    [
+        ("ipc:///tmp/cbpipe-1-x/client.sock", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://10.1.2.3:5555", False),
+    ],
+)
+def test_addresses_beyond_this_host_need_allow_remote_and_a_key(address: str, local: bool) -> None:
+    import dataclasses
+
+    from cbpipe.protocol.security import is_local_address
+
+    assert is_local_address(address) == local
+    engine = config.EngineConfig(address=address)
+    if local:
+        engine.validate()
+        return
+    with pytest.raises(ValueError, match="--allow-remote"):
+        engine.validate()
+    with pytest.raises(ValueError, match="--api-key"):
+        dataclasses.replace(engine, allow_remote=True).validate()
+    keyed = dataclasses.replace(engine, allow_remote=True, api_key="secret")
+    keyed.validate()
+    assert "secret" not in repr(keyed)
