@@ -7,6 +7,7 @@ Depends on the protocol, pyzmq and msgpack only: it imports without torch.
 from cbpipe.client.client import Client, Job
 from cbpipe.client.jobs import (
     Delta,
+    EngineBusy,
     EngineError,
     PromptLogprob,
     RequestError,
@@ -18,6 +19,7 @@ from cbpipe.protocol.messages import Stats
 __all__ = [
     "Client",
     "Delta",
+    "EngineBusy",
     "EngineError",
     "Job",
     "PromptLogprob",
