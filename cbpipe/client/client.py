@@ -270,6 +270,14 @@ class Client:
             raise self._failure
 
     def _run(self) -> None:
+        """The I/O thread. Should it fail, every job fails with it rather than wait forever."""
+        try:
+            self._serve()
+        except Exception as exc:
+            log.exception("the client's I/O thread failed")
+            self._fail_all(EngineError(f"the client's I/O thread failed: {exc}"))
+
+    def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
