@@ -143,6 +143,7 @@ class Client:
         self._monitor = self._socket.get_monitor_socket(MONITORED_EVENTS)
         self._socket.connect(address)
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._unsent: deque[bytes] = deque()  # taken from the outbox, not yet accepted by ZeroMQ
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._jobs: dict[int, Job] = {}
@@ -283,11 +284,12 @@ class Client:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         while not self._closing:
+            poller.modify(self._socket, zmq.POLLIN | (zmq.POLLOUT if self._unsent else 0))
             events = dict(poller.poll())
             if self._wake_read in events:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 65536)
-                self._send_queued()
+            self._send_queued()
             if self._monitor in events:
                 self._on_monitor_event(zmq.utils.monitor.recv_monitor_message(self._monitor))
             if self._socket in events:
@@ -296,8 +298,17 @@ class Client:
         self._send_queued()  # the goodbye may have been queued after the last wake-up
 
     def _send_queued(self) -> None:
+        """Hand queued frames to ZeroMQ without ever blocking: a DEALER whose connection failed
+        its handshake has no pipe to queue into, and a blocked send would keep this thread from
+        the monitor event that says why."""
         while not self._outbox.empty():
-            self._socket.send(self._outbox.get())
+            self._unsent.append(self._outbox.get())
+        while self._unsent:
+            try:
+                self._socket.send(self._unsent[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._unsent.popleft()
 
     def _on_monitor_event(self, event: Mapping[str, Any]) -> None:
         error = connection_error(event["event"], self.address, self._welcome is not None)

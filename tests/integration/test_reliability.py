@@ -215,3 +215,6 @@ def test_listening_beyond_this_host_needs_allow_remote_and_a_key() -> None:
         for key in ("wrong", None):
             with pytest.raises(EngineError, match="api key"):
                 Client(address, api_key=key, connect_timeout=20)
+        with Client(address, api_key="k3y") as client:  # the refused clients harmed nothing
+            job = client.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+            assert len(job.result(timeout=RESULT_TIMEOUT_S).token_ids) == 4
