@@ -170,7 +170,8 @@ def test_compiled_op_writes_the_cache_in_place() -> None:
     total, code = run_and_get_code(torch.compile(step, fullgraph=True), x, slots)
     assert torch.equal(key_cache[slots], (x * 2).view(-1, 2, 16))
     assert torch.equal(value_cache[slots], x.view(-1, 2, 16))
-    assert torch.allclose(total, (x * 2).sum())
+    # A sum of 160 terms in another order: float32 rounding, relative to the terms' size.
+    assert torch.allclose(total, (x * 2).sum(), atol=1e-4)
     source = "\n".join(code)
     assert "write_kv_cache" in source
     assert "clone" not in source and "copy_" not in source, source
