@@ -48,6 +48,11 @@ class CacheConfig:
     cpu_kv_cache_gib: float = _opt(
         1.0, "KV-cache size on the CPU device when --num-blocks is unset"
     )
+    prefix_caching: bool = _opt(
+        True,
+        "reuse the KV blocks of prompt prefixes computed before (a shared system prompt, a "
+        "conversation's history, n samples); --no-prefix-caching computes every prompt whole",
+    )
 
 
 @dataclass(frozen=True)

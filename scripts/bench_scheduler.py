@@ -16,6 +16,7 @@ import mmap
 import random
 import statistics
 import time
+from collections import defaultdict
 
 from cbpipe.collector import CollectorPacing
 from cbpipe.protocol.messages import Step
@@ -37,6 +38,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's default; prompts share --shared-prefix tokens",
+    )
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument(
         "--gc",
         choices=("paced", "default"),
         default="paced",
@@ -48,24 +56,30 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    max_len = args.prompt_len[1] + args.output_len[1]
+    max_len = args.shared_prefix + args.prompt_len[1] + args.output_len[1]
     blocks_per_seq = -(-max_len // args.block_size)
     limits = SlotLimits(args.max_batch_tokens, args.max_num_seqs, blocks_per_seq)
     layout = SlotLayout.build(limits)
     segment = memoryview(mmap.mmap(-1, layout.segment_nbytes))
     # Room for every running sequence at full length: no preemption in the measurement.
-    blocks = BlockManager(args.max_num_seqs * blocks_per_seq, args.block_size)
+    blocks = BlockManager(
+        args.max_num_seqs * blocks_per_seq, args.block_size, prefix_caching=args.prefix_caching
+    )
     scheduler = Scheduler(
         blocks, max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens
     )
     packer = BatchPacker(segment, layout, args.block_size)
     rng = random.Random(args.seed)
+    shared = [rng.randrange(32000) for _ in range(args.shared_prefix)]
     for i in range(args.num_requests):
-        prompt = [rng.randrange(32000) for _ in range(rng.randint(*args.prompt_len))]
+        prompt = shared + [rng.randrange(32000) for _ in range(rng.randint(*args.prompt_len))]
         params = SamplingParams(max_new_tokens=rng.randint(*args.output_len), ignore_eos=True)
         scheduler.add_request(Request(i, prompt, params, i, max_len, frozenset()))
 
     cpu_ms: dict[str, list[float]] = {"decode-only": [], "with prefill": []}
+    # Full-batch steps by step number, and the blocks cached at each.
+    full_batch_ms: dict[tuple[str, int], list[float]] = defaultdict(list)
+    cached_blocks: list[int] = []
     pauses_ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
     collector_started = [0.0]
 
@@ -105,6 +119,9 @@ def main() -> None:
             collector.between_steps()
         kind = "decode-only" if packed.num_single_token_seqs == packed.num_seqs else "with prefill"
         cpu_ms[kind].append(elapsed * 1e3)
+        if packed.num_seqs == args.max_num_seqs:  # a full batch: comparable steps
+            full_batch_ms[kind, step].append(elapsed * 1e3)
+            cached_blocks.append(blocks.num_cached_blocks)
         step += 1
     while in_flight:
         apply_oldest()
@@ -113,6 +130,24 @@ def main() -> None:
     collector.stop()
     print(f"{args.num_requests} requests, {step} steps in {time.perf_counter() - started:.1f} s"
           f" (garbage collection: {args.gc})")  # fmt: skip
+    print(
+        f"prefix cache: {blocks.num_cached_blocks} blocks cached at the end, "
+        f"{blocks.num_hit_tokens} of {blocks.num_query_tokens} prompt tokens found"
+    )
+    half = step // 2
+    for kind in cpu_ms:  # does a step cost more as the run goes on, and the cache fills?
+        early = [t for (k, n), ts in full_batch_ms.items() if k == kind and n < half for t in ts]
+        late = [t for (k, n), ts in full_batch_ms.items() if k == kind and n >= half for t in ts]
+        if early and late:
+            print(
+                f"{kind:>13}: full-batch steps in the run's first half: median "
+                f"{statistics.median(early):.3f} ms ({len(early)}), second half "
+                f"{statistics.median(late):.3f} ms ({len(late)})"
+            )
+    if cached_blocks:
+        print(
+            f"  blocks cached during full-batch steps: {min(cached_blocks)} to {max(cached_blocks)}"
+        )
     for kind, values in cpu_ms.items():
         if values:
             values.sort()

@@ -96,6 +96,7 @@ class InProcessEngine:
     prefill_backend: str = "auto"  # "triton" on the CPU: the varlen kernel, interpreted
     fuse_projections: bool = True
     steps_in_flight: int = 3  # in async mode, as the engine's default
+    prefix_caching: bool = True  # as the engine's default
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
@@ -107,7 +108,9 @@ class InProcessEngine:
         self.layout = SlotLayout.build(limits, num_slots=self.steps_in_flight)
         # Page-aligned, like a shared-memory segment, so CUDA can register it.
         self.segment = memoryview(mmap.mmap(-1, self.layout.segment_nbytes))
-        self.blocks = BlockManager(self.num_blocks, self.block_size)
+        self.blocks = BlockManager(
+            self.num_blocks, self.block_size, prefix_caching=self.prefix_caching
+        )
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=self.max_num_seqs, max_batch_tokens=self.max_batch_tokens
         )
@@ -188,6 +191,7 @@ class InProcessEngine:
                 plan, done_slot, launched = in_flight.popleft()
                 launched.wait()
                 self.scheduler.update(plan, self.packer.read_output(done_slot, launched.step))
+                self.scheduler.check_invariants()
             if cancel_probability and self.scheduler.requests and rng.random() < cancel_probability:
                 self.scheduler.cancel(rng.choice(list(self.scheduler.requests)))
         return added

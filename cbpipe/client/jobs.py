@@ -62,6 +62,7 @@ class SamplingOptions(TypedDict, total=False):
     prompt_logprobs: int | None
     n: int
     detokenize: bool
+    cache_salt: str | None
 
 
 # Replies carry a step's tokens of many jobs: roomy, but bounded.

@@ -190,6 +190,9 @@ class Stats(Message):
     num_generation_tokens: int
     num_preemptions: int
     num_steps: int
+    # Prefix caching: prompt tokens looked up, and those found cached (not computed).
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 # --- scheduler <-> worker -------------------------------------------------------------------

@@ -22,6 +22,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 128  # n
+MAX_CACHE_SALT_CHARS = 256
 MAX_TEMPERATURE = 1e4  # far above any useful value, and its reciprocal is a normal float32
 # OpenAI's range for logit_bias values; -100 bans a token in practice, as it does there.
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -75,6 +76,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     n: int = 1  # independent samples of the prompt
     detokenize: bool = True  # stream text beside the token ids (needs the model's tokenizer)
+    # Requests share cached prompt blocks only with requests of the same salt: a client that
+    # passes its own keeps its prompts' cache to itself.
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first parameter that is out of range."""
@@ -121,6 +125,10 @@ class SamplingParams:
                 _check_int(name, value, low=0, high=MAX_TOP_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_SAMPLES)
         _check_bool("detokenize", self.detokenize)
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are matched in the text: they need detokenize")
 

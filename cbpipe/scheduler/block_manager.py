@@ -1,8 +1,20 @@
-"""The paged KV cache's bookkeeping: which blocks are free, which belong to whom."""
+"""The paged KV cache's bookkeeping: which blocks are free, whose they are, which are cached.
+
+With prefix caching, a full block whose tokens are known is *published* under a hash chained
+over its parent block's hash and its own tokens (and the request's cache salt), and stays
+findable after the requests that hold it are done: a later request whose prompt starts with
+the same tokens takes those blocks instead of computing them again. Blocks are reference
+counted; one that no request holds but that is cached is *evictable*: it counts as free, and
+is given out (its hash forgotten) only when no uncached free block is left, least recently
+used first. Every operation touches only the blocks it names: none scans the cache.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import array
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -10,24 +22,70 @@ import numpy as np
 if TYPE_CHECKING:
     from cbpipe.scheduler.request import Request
 
+BlockHash = bytes
+
 
 class OutOfBlocksError(RuntimeError):
     pass
 
 
-class BlockManager:
-    """A free list of fixed-size KV blocks. The tensors themselves live in the worker."""
+def chain_hashes(
+    parent: BlockHash | None, token_ids: Sequence[int], block_size: int, salt: str | None
+) -> list[BlockHash]:
+    """The identities of the full blocks of ``token_ids``, which follow the block hashed
+    ``parent`` (None: they start the sequence). A block's hash covers its tokens and the
+    block before it (so equal blocks at different places differ) and, for the first block,
+    the request's cache salt. BLAKE2b, not Python's ``hash``: a collision would hand one
+    request another's keys and values, and tuples of ints hash predictably."""
+    data = memoryview(array.array("q", token_ids)).cast("B")
+    step = block_size * 8
+    key = parent if parent is not None else _salt_key(salt)
+    hashes = []
+    blake2b = hashlib.blake2b
+    for start in range(0, len(token_ids) // block_size * step, step):
+        key = blake2b(data[start : start + step], digest_size=16, key=key).digest()
+        hashes.append(key)
+    return hashes
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+def _salt_key(salt: str | None) -> bytes:
+    """The key the first block is hashed with: the parent it does not have."""
+    return hashlib.blake2b(b"cbpipe-salt:" + (salt or "").encode(), digest_size=16).digest()
+
+
+def chain_hash(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
+    """The identity of one full block (``chain_hashes`` of its tokens)."""
+    (block_hash,) = chain_hashes(parent, token_ids, len(token_ids), salt)
+    return block_hash
+
+
+class BlockManager:
+    """Fixed-size KV blocks: a free list, reference counts and, with ``prefix_caching``, the
+    cache of published blocks. The tensors themselves live in the worker."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # held by nobody, cached by nobody
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, BlockHash] = {}  # published blocks
+        self._block_of: dict[BlockHash, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld; oldest first
+        # Prompt tokens looked up in the cache, and those found, since start (in tokens).
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request may take: the free ones and the evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -37,15 +95,89 @@ class BlockManager:
         return max(self.blocks_for(num_tokens) - len(block_ids), 0)
 
     def grow(self, block_ids: list[int], num_tokens: int) -> None:
-        """Append free blocks to ``block_ids`` until it holds ``num_tokens`` tokens."""
+        """Append blocks to ``block_ids`` until it holds ``num_tokens`` tokens: free ones
+        first, then the least recently used cached ones, which stop being cached."""
         missing = self.num_missing_blocks(block_ids, num_tokens)
-        if missing > len(self._free):
-            raise OutOfBlocksError(f"need {missing} blocks, {len(self._free)} free")
-        block_ids.extend(self._free.popleft() for _ in range(missing))
+        if missing > self.num_free_blocks:
+            raise OutOfBlocksError(f"need {missing} blocks, {self.num_free_blocks} free")
+        for _ in range(missing):
+            block_ids.append(self._take_free())
 
     def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+        """Release a table's blocks: uncached ones go back to the free list, cached ones stay
+        findable until they are needed (newest last, so the oldest go first)."""
+        for block in reversed(block_ids):  # a table's tail is its least shared part
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
         block_ids.clear()
+
+    # --- prefix caching -------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` (none are taken yet)."""
+        found = []
+        for block_hash in hashes:
+            block = self._block_of.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def num_evictable(self, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` count as free now (cached, held by nobody)."""
+        return sum(1 for block in block_ids if self._refs[block] == 0)
+
+    def take(self, block_ids: list[int]) -> None:
+        """Hold cached blocks found by ``match`` for a new table."""
+        for block in block_ids:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+
+    def publish(self, block: int, block_hash: BlockHash) -> None:
+        """Make a full block findable. The step that writes it has been planned (and is sent
+        before any step a later plan makes), and steps run in order on the device, so whoever
+        finds it reads it after it is written; a step that both writes and reads it writes
+        every layer's keys before that layer attends. A hash already published keeps its
+        first block: the copy stays this table's, uncached."""
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def check(self, tables: Iterable[list[int]]) -> None:
+        """Raise ``AssertionError`` unless the bookkeeping agrees with the tables that hold
+        blocks: every block free, evictable or held, held exactly by the tables naming it."""
+        held = [0] * self.num_blocks
+        for table in tables:
+            for block in table:
+                held[block] += 1
+        assert held == self._refs, "reference counts disagree with the block tables"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is twice on the free list"
+        assert not free & evictable, "a block is both free and cached"
+        for block in range(self.num_blocks):
+            kinds = (block in free, block in evictable, held[block] > 0)
+            assert sum(kinds) == 1, f"block {block} is free/evictable/held: {kinds}"
+            assert (block in evictable) <= (block in self._hash_of), f"block {block} uncached"
+        assert all(self._block_of[h] == b for b, h in self._hash_of.items()), "hash map broken"
+        assert len(self._block_of) == len(self._hash_of), "hash map broken"
+
+    def _take_free(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
 
 
 class BlockTables:

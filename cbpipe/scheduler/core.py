@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cbpipe.scheduler.block_manager import BlockManager, BlockTables
-from cbpipe.scheduler.request import Request, RequestStatus
+from cbpipe.scheduler.request import NEVER, Request, RequestStatus
 
 
 class ScheduledSeq(NamedTuple):
@@ -173,6 +173,9 @@ class Scheduler:
             num_new = min(num_to_compute, budget)
             if not self._reserve_blocks(req, num_new, preempted):
                 continue  # req itself was preempted
+            # Inline, as it runs for every sequence of every step: a block is complete.
+            if req.num_known_tokens >= req.publish_at <= req.num_computed_tokens + num_new:
+                self._publish(req, req.num_computed_tokens + num_new)
             chosen.append((req, num_new))
             budget -= num_new
 
@@ -252,13 +255,21 @@ class Scheduler:
                 break
             if req.num_pending_tokens:
                 break  # its last token is still on the worker; recompute starts once it is back
-            num_new = min(req.num_tokens_to_compute, budget)
-            total = req.num_computed_tokens + num_new
-            if self.blocks.num_missing_blocks(req.block_ids, total) > self.blocks.num_free_blocks:
+            cached = self._cached_prefix(req)
+            start = len(cached) * self.blocks.block_size
+            num_new = min(req.num_tokens - start, budget)
+            needed = self.blocks.blocks_for(start + num_new) - len(cached)
+            if needed + self.blocks.num_evictable(cached) > self.blocks.num_free_blocks:
                 break
             self.waiting.popleft()
             self.num_waiting -= 1
-            self.blocks.grow(req.block_ids, total)
+            self.blocks.record_lookup(req.num_tokens, start)
+            self.blocks.take(cached)
+            req.block_ids.extend(cached)
+            req.num_computed_tokens = start
+            req.num_published_blocks = len(cached)
+            self.blocks.grow(req.block_ids, start + num_new)
+            self._publish(req, start + num_new)
             if req.status is RequestStatus.WAITING:
                 admitted.append(req)
             req.status = RequestStatus.RUNNING
@@ -268,6 +279,37 @@ class Scheduler:
             chosen.append((req, num_new))
             budget -= num_new
         return budget
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks ``req`` may start after: the longest cached run of its full
+        blocks, short of its last token, which must be computed for a token to be sampled."""
+        if not self.blocks.prefix_caching or not req.reads_prefix_cache:
+            return []
+        return self.blocks.match(
+            req.hashes_of_full_blocks(self.blocks.block_size, req.num_tokens - 1)
+        )
+
+    def _publish(self, req: Request, num_computed: int) -> None:
+        """Publish ``req``'s blocks that are full of known tokens whose keys and values are
+        written by a step planned by now (``num_computed`` once this one is counted)."""
+        bs = self.blocks.block_size
+        if not self.blocks.prefix_caching:
+            req.publish_at = NEVER  # nothing to publish: the inline check stays false
+            return
+        full = min(num_computed, req.num_known_tokens) // bs
+        if full > req.num_published_blocks:
+            hashes = req.hashes_of_full_blocks(bs, full * bs)
+            for index in range(req.num_published_blocks, full):
+                self.blocks.publish(req.block_ids[index], hashes[index])
+            req.num_published_blocks = full
+        req.publish_at = (req.num_published_blocks + 1) * bs
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless block and request bookkeeping agree (tests)."""
+        self.blocks.check(r.block_ids for r in self.running)
+        assert all(not r.block_ids for r in self.waiting if not r.is_finished)
+        if self.is_idle:
+            assert self.blocks.num_free_blocks == self.blocks.num_blocks, "blocks leaked"
 
     def _first_waiting(self) -> Request | None:
         """The head of the queue, once the finished requests before it are dropped."""
@@ -305,6 +347,8 @@ class Scheduler:
         self.tables.release(req)
         self.blocks.free(req.block_ids)
         req.num_computed_tokens = 0
+        req.num_published_blocks = 0
+        req.publish_at = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

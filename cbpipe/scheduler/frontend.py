@@ -265,6 +265,8 @@ class Frontend:
                 num_generation_tokens=self.num_generation_tokens,
                 num_preemptions=scheduler.num_preemptions,
                 num_steps=self.num_steps,
+                num_prefix_query_tokens=blocks.num_query_tokens,
+                num_prefix_hit_tokens=blocks.num_hit_tokens,
             ),
         )
 

@@ -216,15 +216,21 @@ class EngineLoop:
         self.in_flight.append(InFlight(plan, step, slot, schedule_start_ns, sent_ns))
         self._last_slot = slot
         self._next_slot = (slot + 1) % self.num_slots
-        log.debug(
-            "step %d: %d seqs, %d tokens (%d decodes) into slot %d, planned in %.2f ms",
-            plan.step,
-            step.num_seqs,
-            step.num_tokens,
-            step.num_single_token_seqs,
-            slot,
-            (sent_ns - schedule_start_ns) / 1e6,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            blocks = self.scheduler.blocks
+            log.debug(
+                "step %d: %d seqs, %d tokens (%d decodes) into slot %d, planned in %.2f ms; "
+                "prefix cache: %d blocks, %d of %d prompt tokens found",
+                plan.step,
+                step.num_seqs,
+                step.num_tokens,
+                step.num_single_token_seqs,
+                slot,
+                (sent_ns - schedule_start_ns) / 1e6,
+                blocks.num_cached_blocks,
+                blocks.num_hit_tokens,
+                blocks.num_query_tokens,
+            )
 
     def _check_worker(self) -> None:
         """Raise ``WorkerLost`` if the worker's heartbeat or its oldest step is overdue."""

@@ -150,7 +150,9 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         max_total_tokens=min(max_model_len, hello.num_blocks * config.cache.block_size),
         eos_token_ids=frozenset(hello.eos_token_ids),
     )
-    blocks = BlockManager(hello.num_blocks, config.cache.block_size)
+    blocks = BlockManager(
+        hello.num_blocks, config.cache.block_size, prefix_caching=config.cache.prefix_caching
+    )
     scheduler = Scheduler(
         blocks,
         max_num_seqs=config.scheduler.max_num_seqs,

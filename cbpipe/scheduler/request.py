@@ -9,6 +9,9 @@ import numpy as np
 
 from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.scheduler.block_manager import chain_hashes
+
+NEVER = 1 << 62  # a token count no request reaches
 
 
 class RequestStatus(enum.IntEnum):
@@ -81,6 +84,11 @@ class Request:
     first_scheduled_ns: int | None = None
     sampling_mode: SamplingMode = field(init=False)
     prompt_logprobs: PromptLogprobsBuffer | None = field(init=False)
+    # Prefix caching: hashes of the full blocks of known tokens, in order (computed as they
+    # are needed), and how many of its table's blocks are published.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    publish_at: int = 0  # tokens, known and computed, that complete its next block
 
     def __post_init__(self) -> None:
         # Prompt plus outputs, counted rather than measured: the scheduler reads it several
@@ -141,6 +149,30 @@ class Request:
             return self.prompt_token_ids[start:stop]
         head = self.prompt_token_ids[start:num_prompt] if start < num_prompt else []
         return head + self.output_token_ids[max(start - num_prompt, 0) : stop - num_prompt]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether it may start after a cached prefix. Not when it wants the prompt's
+        log-probabilities (a cached prefix is not computed), nor when the device keeps state
+        built from its prompt's rows (the penalties' counts, the logit-bias row)."""
+        params = self.params
+        return (
+            params.prompt_logprobs is None
+            and not params.has_penalties
+            and not params.logit_bias
+            and not params.min_tokens
+        )
+
+    def hashes_of_full_blocks(self, block_size: int, num_tokens: int) -> list[bytes]:
+        """Hashes of the full blocks among its first ``num_tokens`` known tokens."""
+        count = min(num_tokens, self.num_known_tokens) // block_size
+        done = len(self.block_hashes)
+        if done < count:
+            tokens = self.known_tokens(done * block_size, count * block_size)
+            self.block_hashes += chain_hashes(
+                self.block_hashes[-1] if done else None, tokens, block_size, self.params.cache_salt
+            )
+        return self.block_hashes[:count]
 
     @property
     def banned_until_min_tokens(self) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 import pytest
 
-from cbpipe.scheduler.block_manager import BlockManager, OutOfBlocksError
+from cbpipe.scheduler.block_manager import BlockManager, OutOfBlocksError, chain_hash
 
 
 def test_grow_takes_only_missing_blocks_and_free_returns_them() -> None:
@@ -35,3 +35,70 @@ def test_tables_never_share_blocks() -> None:
     blocks.free(a)
     blocks.grow(b, 12)
     assert len(set(b)) == 6
+
+
+def test_block_hashes_chain_over_parents_tokens_and_salt() -> None:
+    first = chain_hash(None, [1, 2, 3, 4], None)
+    assert first == chain_hash(None, [1, 2, 3, 4], None)
+    assert first != chain_hash(None, [1, 2, 3, 5], None)
+    assert first != chain_hash(None, [1, 2, 3, 4], "tenant-a")
+    second = chain_hash(first, [5, 6, 7, 8], None)
+    # The same tokens after another block are another block.
+    assert second != chain_hash(chain_hash(None, [9, 9, 9, 9], None), [5, 6, 7, 8], None)
+
+
+def published(blocks: BlockManager, num_tokens: int, tag: int) -> tuple[list[int], list[bytes]]:
+    """A table of ``num_tokens`` whose full blocks are published under tag-derived hashes."""
+    table: list[int] = []
+    blocks.grow(table, num_tokens)
+    hashes = [chain_hash(None, [tag, i], None) for i in range(num_tokens // blocks.block_size)]
+    for block, block_hash in zip(table, hashes, strict=False):
+        blocks.publish(block, block_hash)
+    return table, hashes
+
+
+def test_freed_cached_blocks_stay_findable_and_count_as_free() -> None:
+    blocks = BlockManager(num_blocks=6, block_size=4, prefix_caching=True)
+    table, hashes = published(blocks, 10, tag=1)  # 3 blocks, 2 full and published
+    blocks.free(table)
+    assert blocks.num_free_blocks == 6 and blocks.num_cached_blocks == 2
+    found = blocks.match(hashes + [chain_hash(None, [0], None)])
+    assert len(found) == 2 and blocks.num_evictable(found) == 2
+    blocks.take(found)
+    assert blocks.num_free_blocks == 4
+    blocks.check([found])
+    blocks.free(found)
+    blocks.check([])
+
+
+def test_cached_blocks_are_evicted_only_when_nothing_else_is_free_oldest_first() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=2, prefix_caching=True)
+    old, old_hashes = published(blocks, 2, tag=1)
+    new, new_hashes = published(blocks, 2, tag=2)
+    blocks.free(old)  # freed first: least recently used
+    blocks.free(new)
+    table: list[int] = []
+    blocks.grow(table, 4)  # the two uncached free blocks
+    assert blocks.match(old_hashes) and blocks.match(new_hashes)
+    blocks.grow(table, 6)  # one more: the oldest cached block goes
+    assert not blocks.match(old_hashes) and blocks.match(new_hashes)
+    blocks.check([table])
+
+
+def test_a_hash_published_twice_keeps_its_first_block() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=2, prefix_caching=True)
+    a, hashes = published(blocks, 2, tag=1)
+    b, _ = published(blocks, 2, tag=1)  # computed twice in one step
+    assert blocks.match(hashes) == a
+    blocks.free(b)  # the copy was never cached: back on the free list
+    blocks.free(a)
+    blocks.check([])
+    assert blocks.num_cached_blocks == 1
+
+
+def test_check_catches_a_table_that_disagrees() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=2, prefix_caching=True)
+    table: list[int] = []
+    blocks.grow(table, 4)
+    with pytest.raises(AssertionError, match="reference counts"):
+        blocks.check([table, table[:1]])
