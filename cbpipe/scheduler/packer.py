@@ -218,7 +218,7 @@ class BatchPacker:
         inputs.context_lens[:n] = [s.start + s.num_query_tokens for s in seqs]
         inputs.output_index[:n] = [s.output_index for s in seqs]
         inputs.request_row[:n] = rows
-        inputs.prompt_logprobs[:n] = [s.prompt_logprobs for s in seqs]
+        inputs.has_prompt_logprobs[:n] = [s.prompt_logprobs for s in seqs]
         for name in _TABLE_FIELDS:
             getattr(inputs, name)[:n] = getattr(self.table, name)[rows]
         width = max(len(s.req.block_ids) for s in seqs)
