@@ -125,6 +125,7 @@ class DecodeGraphs:
         slots: Sequence[SlotT],
         stream: torch.cuda.Stream | None,
         first_batch: int | None = None,
+        full_sampling: bool = True,
     ) -> None:
         """Capture ``body`` for every bucket, slot and variant, largest first to share one pool.
 
@@ -133,15 +134,17 @@ class DecodeGraphs:
         (``num_seqs`` 0), so every row is padding and no cache block is touched.
         ``first_batch``: run the body at this batch (every variant, the first slot) before any
         other, uncaptured, for what sets itself up on the first call's sizes.
+        ``full_sampling``: also the full sampler's variants (without: FULL steps run eagerly).
         """
         self.batch_sizes = sorted(batch_sizes)
-        self.full_batch_sizes = full_bucket_sizes(batch_sizes)
+        self.full_batch_sizes = full_bucket_sizes(batch_sizes) if full_sampling else []
+        full_variants = FULL_VARIANTS if full_sampling else ()
         variants = {batch: [GREEDY, RANDOM] for batch in self.batch_sizes}
         for batch in self.full_batch_sizes:
-            variants[batch] = variants.get(batch, []) + list(FULL_VARIANTS)
+            variants[batch] = variants.get(batch, []) + list(full_variants)
         if first_batch is not None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for variant in (GREEDY, RANDOM, *FULL_VARIANTS):
+                for variant in (GREEDY, RANDOM, *full_variants):
                     body(slots[0], first_batch, variant)
         pool = torch.cuda.graph_pool_handle() if stream is not None else None
         for batch in sorted(variants, reverse=True):
@@ -166,7 +169,7 @@ class DecodeGraphs:
         if step.prompt_logprobs:
             return None
         if step.sampling is SamplingMode.FULL:
-            sizes = self.full_batch_sizes
+            sizes = self.full_batch_sizes  # none: FULL steps run eagerly
             variant = GraphVariant(SamplingMode.FULL, step.top_logprobs, truncation)
         else:
             sizes = self.batch_sizes

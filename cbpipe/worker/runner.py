@@ -43,7 +43,7 @@ from cbpipe.protocol.slots import (
     numpy_views,
 )
 from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep, PrefillKernel
-from cbpipe.worker.cuda_graphs import DecodeGraphs, GraphVariant, tuning_batch
+from cbpipe.worker.cuda_graphs import DecodeGraphs, GraphVariant, Replayable, tuning_batch
 from cbpipe.worker.sampler import (
     FullSample,
     FullSamplingInputs,
@@ -191,6 +191,7 @@ class StepRunner:
         graph_batch_sizes: Sequence[int] = (),
         compile_decode: bool = False,
         sampling_state: SamplingState | None = None,
+        full_sampling_graphs: bool = True,
     ) -> None:
         """``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
 
@@ -199,6 +200,8 @@ class StepRunner:
         small element-wise kernels between the matrix products and the attention op.
         ``sampling_state``: the per-request rows of the full sampler; the worker allocates it
         before sizing the KV cache, and a runner without one allocates its own.
+        ``full_sampling_graphs``: capture the full sampler's decode variants too (without:
+        FULL steps run eagerly; for measuring what they cost).
         """
         self.model = model
         self.kv_cache = kv_cache
@@ -253,7 +256,7 @@ class StepRunner:
         if self.cuda and (decode_kernel is not None or prefill_kernel is not None):
             self.warm_up()
         if graph_batch_sizes:
-            self._capture_graphs(graph_batch_sizes)
+            self._capture_graphs(graph_batch_sizes, full_sampling_graphs)
 
     def warm_up(self) -> None:
         """Run eager steps of every shape class a server meets, before it serves.
@@ -331,7 +334,7 @@ class StepRunner:
         )
         self._compute(step, self.slots[0])
 
-    def _capture_graphs(self, batch_sizes: Sequence[int]) -> None:
+    def _capture_graphs(self, batch_sizes: Sequence[int], full_sampling: bool) -> None:
         if max(batch_sizes) > self.layout.limits.max_seqs:
             raise ValueError(
                 f"graph batch sizes {list(batch_sizes)} exceed the slots' "
@@ -344,11 +347,13 @@ class StepRunner:
             slots=self.slots,
             stream=self.compute_stream,
             first_batch=tuning_batch(batch_sizes) if self._compiled else None,
+            full_sampling=full_sampling,
         )
         log.info(
-            "captured %d decode graphs (batch sizes %s) in %.1f s",
+            "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s",
             len(self.graphs),
             self.graphs.batch_sizes,
+            self.graphs.full_batch_sizes,
             time.perf_counter() - started,
         )
 
@@ -467,6 +472,11 @@ class StepRunner:
             end = start + count * f.itemsize
             slot.device_extras[start:end].copy_(slot.host_extras[start:end], non_blocking=True)
 
+    def graph_for(self, step: Step) -> Replayable | None:
+        """The graph ``launch`` would replay for ``step`` (packed in its slot), or None."""
+        slot = self.slots[step.slot]
+        return self.graphs.find(step, truncation=self._step_facts(step, slot).truncation)
+
     def _step_facts(self, step: Step, slot: SlotBuffers) -> StepFacts:
         """Read what a FULL or prompt log-probability step's launch needs from the host slot."""
         full = step.sampling is SamplingMode.FULL
@@ -528,32 +538,60 @@ class StepRunner:
             prefill_kernel=self.prefill_kernel,
         )
         full = step.sampling is SamplingMode.FULL
-        seq_of_row = None
+        seq_of_row = rows = None
         if full or step.prompt_logprobs:
             lengths = query_start[1:] - query_start[:-1]
             seq_of_row = torch.repeat_interleave(self._row_ids[:s], lengths, output_size=t)
-        rows = inputs.request_row[:s].long()
         if full:
             assert seq_of_row is not None
-            self._prepare_state(step, slot, facts.num_restarts)
-            num_prompt = inputs.num_prompt_tokens[:s]
-            self.state.count_inputs(rows[seq_of_row], input_ids, positions, num_prompt[seq_of_row])
-        # Only each sequence's last row needs logits; a decode-only step needs them all; with
-        # prompt log-probabilities, every row of the sequences that ask for them.
-        decode_only = step.num_single_token_seqs == s
-        logits_rows = 0 if decode_only else query_start[1:].long() - 1
-        if step.prompt_logprobs:
-            assert seq_of_row is not None
-            kept, last = self._prompt_logits_rows(inputs, seq_of_row, s, facts.num_logits_rows)
-            logits = self._forward(self.model, input_ids, positions, paged, kept)
-            self._write_prompt_logprobs(slot, logits, kept)
-            logits = logits[last]
-        else:
-            logits = self._forward(self.model, input_ids, positions, paged, logits_rows)
-        if full:
+            rows = self._count_step_inputs(step, slot, facts, input_ids, seq_of_row)
+        logits = self._eager_logits(step, slot, facts, input_ids, paged, seq_of_row)
+        if rows is not None:
             self._sample_full(slot, logits, s, rows, facts.truncation, step.top_logprobs)
         else:
             self._sample(slot, logits, s, step.sampling is SamplingMode.GREEDY)
+
+    def _count_step_inputs(
+        self,
+        step: Step,
+        slot: SlotBuffers,
+        facts: StepFacts,
+        input_ids: torch.Tensor,  # [num_tokens], after carry-over
+        seq_of_row: torch.Tensor,  # [num_tokens]
+    ) -> torch.Tensor:
+        """A FULL step's state before sampling: resets, bias entries, the rows' tokens.
+        Returns each sequence's state row."""
+        inputs, t, s = slot.inputs, step.num_tokens, step.num_seqs
+        rows = inputs.request_row[:s].long()
+        self._prepare_state(step, slot, facts.num_restarts)
+        num_prompt = inputs.num_prompt_tokens[:s][seq_of_row]
+        self.state.count_inputs(rows[seq_of_row], input_ids, inputs.positions[:t], num_prompt)
+        return rows
+
+    def _eager_logits(
+        self,
+        step: Step,
+        slot: SlotBuffers,
+        facts: StepFacts,
+        input_ids: torch.Tensor,
+        paged: PagedStep,
+        seq_of_row: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The forward; logits ``[num_seqs, vocab]`` of each sequence's last row. Only those
+        rows get logits (a decode-only step needs them all), and with prompt
+        log-probabilities every row of the sequences that ask for them, whose log-probabilities
+        are written here."""
+        inputs, t, s = slot.inputs, step.num_tokens, step.num_seqs
+        positions = inputs.positions[:t]
+        if not step.prompt_logprobs:
+            decode_only = step.num_single_token_seqs == s
+            logits_rows = 0 if decode_only else inputs.query_start[1 : s + 1].long() - 1
+            return self._forward(self.model, input_ids, positions, paged, logits_rows)
+        assert seq_of_row is not None
+        kept, last = self._prompt_logits_rows(inputs, seq_of_row, s, facts.num_logits_rows)
+        logits = self._forward(self.model, input_ids, positions, paged, kept)
+        self._write_prompt_logprobs(slot, logits, kept)
+        return logits[last]
 
     def _prompt_logits_rows(
         self,
