@@ -15,6 +15,13 @@
 #            sync; random:llama-1b x1024, prompts 64-1024 and outputs 64-512, async
 #            (TARGET_1B_MODES)                                                    (~6 min)
 #   compile  the micro part's 8B decode step with --compile-decode: start-up and step time
+#   sampling the decode step per sampling preset (greedy, plain temperature, the full sampler
+#            with top-k/top-p/min_p without and with the top 20 alternatives, penalties,
+#            greedy with 5 alternatives) from CUDA graphs: random:llama-8b x32 (context 4096)
+#            and random:llama-1b x256 (context 512), every bucket up to the batch captured as
+#            the worker does (capture time and memory, then the same without the full
+#            sampler's graphs, where FULL steps run eagerly); then the full sampler's GPU
+#            tests. SAMPLING_COMPILE=1 adds the 8B presets with --compile-decode  (~6 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
@@ -241,11 +248,43 @@ if want compile; then
     rcs+=("compile=$(grep '^exit code' "$OUT/compile.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
+if want sampling; then
+    {
+        presets=greedy,random,full,full-logprobs,penalties,greedy-logprobs
+        for run in "random:llama-8b 32 4096" "random:llama-1b 256 512"; do
+            read -r model batch context <<<"$run"
+            section "sampling presets, $model x$batch, context $context, graphs"
+            timeout -k 10 200 "$PY" scripts/profile_step.py --model "$model" --batch "$batch" \
+                --context "$context" --steps 30 --all-buckets --sampling "$presets" 2>&1 \
+                | grep -v '^USDT'
+            echo "exit code ${PIPESTATUS[0]}"
+            section "sampling presets, $model x$batch, context $context, no full-sampler graphs"
+            timeout -k 10 200 "$PY" scripts/profile_step.py --model "$model" --batch "$batch" \
+                --context "$context" --steps 30 --all-buckets --no-full-graphs \
+                --sampling greedy,full,penalties 2>&1 | grep -v '^USDT'
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+        if [ "${SAMPLING_COMPILE:-0}" = 1 ]; then
+            section "sampling presets, random:llama-8b x32, context 4096, --compile-decode"
+            timeout -k 10 "${COMPILE_TIMEOUT:-300}" "$PY" scripts/profile_step.py \
+                --model random:llama-8b --batch 32 --context 4096 --steps 30 --all-buckets \
+                --compile-decode --sampling "$presets" 2>&1 | grep -v '^USDT'
+            echo "exit code ${PIPESTATUS[0]}"
+        fi
+        section "full sampler GPU tests"
+        timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu/test_full_sampling.py -m gpu -v \
+            --durations=10 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1
+        echo "exit code ${PIPESTATUS[0]}"
+    } 2>&1 | tee "$OUT/sampling.log"
+    rcs+=("sampling=$(grep '^exit code' "$OUT/sampling.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
 {
     section summary
     echo "PARTS=$PARTS exit codes: ${rcs[*]} (124: timed out); BENCH_SCALE=$BENCH_SCALE"
     echo "total $((SECONDS - started)) s"
     grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log 2>/dev/null || true
+    grep -h -E '^(runner ready|per step|=====)' "$OUT"/sampling.log 2>/dev/null || true
     [ ! -s "$OUT/gpu_clocks.csv" ] || "$PY" - "$OUT/gpu_clocks.csv" <<'EOF'
 import csv, statistics, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 8 and r[6].strip().isdigit()]

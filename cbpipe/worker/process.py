@@ -42,7 +42,8 @@ from cbpipe.worker.model_loader import (
     resolve_device,
     resolve_dtype,
 )
-from cbpipe.worker.runner import LaunchedStep, StepRunner
+from cbpipe.worker.runner import LaunchedStep, StepRunner, logits_width
+from cbpipe.worker.sampling_state import SamplingState
 
 log = logging.getLogger("cbpipe.worker")
 
@@ -105,6 +106,15 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         attn_implementation=attention.register(),
         fuse=config.worker.fuse_projections,
     )
+    # The full sampler's per-request rows come out of the memory the KV cache is sized from.
+    vocab = logits_width(model)
+    state = SamplingState.allocate(spec.layout.limits.max_seqs, vocab, device)
+    log.info(
+        "sampling state: %d request rows of %d tokens, %.1f MB",
+        spec.layout.limits.max_seqs,
+        vocab,
+        SamplingState.nbytes(spec.layout.limits.max_seqs, vocab) / 1e6,
+    )
     num_blocks = num_kv_blocks(model, config.cache, device, dtype)
     kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
@@ -125,6 +135,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         ),
         graph_batch_sizes=graph_sizes,
         compile_decode=config.worker.compile_decode and bool(graph_sizes),
+        sampling_state=state,
     )
     hello = WorkerReady(
         model=source.name,
