@@ -26,6 +26,7 @@ from cbpipe.config import EngineConfig
 from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
+from cbpipe.models.support import check_config
 from cbpipe.protocol.launch import EngineAddresses, RunSpec
 from cbpipe.protocol.shm import (
     create_segment,
@@ -65,9 +66,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plan_layout(config: EngineConfig) -> SlotLayout:
-    """Slot capacities from the engine limits and the model's maximum length."""
+    """Slot capacities from the engine limits and the model's maximum length.
+
+    Raises ``ValueError`` for a model that cannot be resolved, and ``UnsupportedModel`` (a
+    ``ValueError`` too) for one cbpipe cannot serve, before any child starts.
+    """
     source = resolve_model(config.model.model)
-    max_model_len = config.model.max_model_len or source.max_position_embeddings
+    max_model_len = check_config(source.config, config.model.max_model_len)
     block_size = config.cache.block_size
     limits = SlotLimits(
         max_tokens=config.scheduler.max_batch_tokens,

@@ -35,7 +35,7 @@ from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
-    load_model,
+    load_paged_model,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
@@ -84,9 +84,8 @@ def main() -> None:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = load_model(resolve_model(args.model), device, dtype,
-                       attn_implementation=attention.register(),
-                       fuse=args.fuse_projections)  # fmt: skip
+    model, paged = load_paged_model(resolve_model(args.model), device, dtype,
+                                    fuse=args.fuse_projections)  # fmt: skip
     bs = args.block_size
     # Room for the keys a --grow run attends to (they are masked, but gathered).
     longest = max(args.context + 2 * args.steps + 16, args.prefill_len)
@@ -97,16 +96,16 @@ def main() -> None:
     num_blocks = num_seqs * blocks_per_seq
     if args.engine_block_layout:
         num_blocks = max(
-            num_blocks, num_kv_blocks(model, CacheConfig(block_size=bs), device, dtype)
+            num_blocks, num_kv_blocks(paged, CacheConfig(block_size=bs), device, dtype)
         )
-    kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
+    kv = allocate_kv_cache(paged, num_blocks, bs, device, dtype)
     layout = SlotLayout.build(SlotLimits(num_tokens, num_seqs, blocks_per_seq))
     segment = memoryview(bytearray(layout.segment_nbytes))
     kernel = attention.load_decode_kernel(args.attention_backend, device)
     graphs = args.cuda_graphs and kernel is not None
     started = time.perf_counter()
     prefill_kernel = attention.load_prefill_kernel(args.prefill_attention_backend, device)
-    runner = StepRunner(model, kv, layout, segment, device, decode_kernel=kernel,
+    runner = StepRunner(model, paged, kv, layout, segment, device, decode_kernel=kernel,
                         prefill_kernel=prefill_kernel,
                         graph_batch_sizes=[args.batch] if graphs else (),
                         compile_decode=args.compile_decode and graphs)  # fmt: skip

@@ -71,10 +71,6 @@ class ModelSource:
         return self.path
 
     @property
-    def max_position_embeddings(self) -> int:
-        return int(self.config.max_position_embeddings)
-
-    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.config.eos_token_id
         if self.path is not None and (self.path / "generation_config.json").exists():

@@ -20,6 +20,7 @@ import zmq
 from cbpipe.collector import CollectorPacing
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
+from cbpipe.models.support import UnsupportedModel
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.messages import (
     Message,
@@ -35,7 +36,7 @@ from cbpipe.worker import attention
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
-    load_model,
+    load_paged_model,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
@@ -68,6 +69,11 @@ def worker_main(spec: RunSpec, ready: Connection) -> None:
         outbox.put(hello)
         ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
         _serve(steps, runner, outbox)
+    except UnsupportedModel as exc:  # the reason is the whole story: no traceback
+        log.error("%s", exc)
+        outbox.put(WorkerFailed(str(exc)))
+        ready.send(("failed", str(exc)))
+        raise SystemExit(1) from None
     except Exception as exc:
         log.exception("worker failed")
         outbox.put(WorkerFailed(f"{type(exc).__name__}: {exc}"))
@@ -93,16 +99,16 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         # Leave a core to the scheduler: the overlap we exist for is between processes.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     source = resolve_model(config.model.model)
-    model = load_model(
+    model, paged = load_paged_model(
         source,
         device,
         dtype,
         seed=config.model.seed,
-        attn_implementation=attention.register(),
         fuse=config.worker.fuse_projections,
+        max_model_len=config.model.max_model_len,
     )
-    num_blocks = num_kv_blocks(model, config.cache, device, dtype)
-    kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)
+    num_blocks = num_kv_blocks(paged, config.cache, device, dtype)
+    kv_cache = allocate_kv_cache(paged, num_blocks, config.cache.block_size, device, dtype)
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
     decode_kernel = attention.load_decode_kernel(config.worker.attention_backend, device)
     graph_sizes: list[int] = []
@@ -111,6 +117,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
     runner = StepRunner(
         model,
+        paged,
         kv_cache,
         spec.layout,
         segment.buf,
