@@ -105,7 +105,7 @@ class Row:
 
 
 def make_problem(batch: int, context: int, device: torch.device) -> Problem:
-    from cbpipe.worker.attention import KVCache, PagedStep
+    from cbpipe.worker.attention import GatheredRows, KVCache, PagedStep
 
     width = -(-context // BLOCK_SIZE)
     num_blocks = batch * width
@@ -292,7 +292,7 @@ class PrefillRow:
 def make_prefill_problem(
     num_seqs: int, new: int, context: int, device: torch.device, dtype: torch.dtype = DTYPE
 ) -> PrefillProblem:
-    from cbpipe.worker.attention import KVCache, PagedStep
+    from cbpipe.worker.attention import GatheredRows, KVCache, PagedStep
 
     width = -(-context // BLOCK_SIZE)
     num_blocks = num_seqs * width

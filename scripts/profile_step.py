@@ -154,10 +154,15 @@ def main() -> None:
     wall, dev = run(args.steps)
     print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream")
     if device.type == "cuda" and not num_prefills:
-        sizes = decode_bytes(model.config, dtype)
-        floor_ms = sizes.step_bytes(step.num_seqs * args.context) / copy_bandwidth(device) * 1e3
+        windows = [layer.variant.sliding_window for layer in paged.layers]
+        sizes = decode_bytes(model.config, dtype, windows)
+        step_bytes = sizes.step_bytes_for([args.context] * step.num_seqs)
+        floor_ms = step_bytes / copy_bandwidth(device) * 1e3
         print(
-            f"bandwidth floor {floor_ms:.2f} ms: the step takes {dev / floor_ms:.2f}x the floor"
+            f"bandwidth floor {floor_ms:.2f} ms ({sizes.weight_bytes / 1e9:.2f} GB of weights, "
+            f"{(step_bytes - sizes.weight_bytes) / 1e9:.2f} GB of KV"
+            f"{', windows counted' if sizes.windowed else ''}): "
+            f"the step takes {dev / floor_ms:.2f}x the floor"
             f" ({'graph' if runner.graphs.find(step) else 'eager'}, decode kernel "
             f"{'triton' if kernel else 'torch'}, projections "
             f"{'fused' if args.fuse_projections else 'separate'}"

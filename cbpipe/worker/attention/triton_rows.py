@@ -179,7 +179,10 @@ def decode_attention(
 
 @decode_attention.register_fake
 def _decode_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
-    return torch.empty_like(query)
+    # Contiguous, as the kernel allocates it, whatever the query's strides (``empty_like``
+    # would copy a transposed query's strides, and inductor then checks the real output
+    # against them).
+    return query.new_empty(query.shape)
 
 
 @torch.library.custom_op("cbpipe::write_kv_cache", mutates_args=("key_cache", "value_cache"))
