@@ -70,9 +70,10 @@ def worker_main(spec: RunSpec, ready: Connection) -> None:
         ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
         _serve(steps, runner, outbox)
     except UnsupportedModel as exc:  # the reason is the whole story: no traceback
-        log.error("%s", exc)
-        outbox.put(WorkerFailed(str(exc)))
+        # The launcher first, so that its message is this one rather than the scheduler's
+        # (which fails too, on the WorkerFailed below).
         ready.send(("failed", str(exc)))
+        outbox.put(WorkerFailed(str(exc)))
         raise SystemExit(1) from None
     except Exception as exc:
         log.exception("worker failed")
