@@ -78,7 +78,7 @@ SERVED = [
     Arch(
         "qwen2_moe",
         dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64),
-    ),  # fmt: skip
+    ),
     Arch("qwen3"),
     Arch("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     Arch("gemma", dict(head_dim=16)),
@@ -117,7 +117,7 @@ SERVED = [
             embedding_multiplier=2.0,
         ),
         ("scaling",),
-    ),  # fmt: skip
+    ),
     Arch("persimmon", dict(partial_rotary_factor=0.5)),
     Arch("helium"),
     Arch("glm", dict(partial_rotary_factor=0.5)),
@@ -138,19 +138,19 @@ REFUSED = [
         dict(n_layer=2, n_head=4, hidden_size=64, vocab_size=256),
         common=False,
         note="attention outside AttentionInterface, ALiBi",
-    ),  # fmt: skip
+    ),
     Arch(
         "mpt",
         dict(d_model=64, n_heads=4, n_layers=2, vocab_size=256, expansion_ratio=2),
         common=False,
         note="attention outside AttentionInterface, ALiBi",
-    ),  # fmt: skip
+    ),
     Arch(
         "mamba",
         dict(hidden_size=64, num_hidden_layers=2, vocab_size=256, state_size=8),
         common=False,
         note="no attention: a state-space model",
-    ),  # fmt: skip
+    ),
     Arch(
         "rwkv",
         dict(
@@ -163,12 +163,12 @@ REFUSED = [
         ),
         common=False,
         note="no attention: a recurrent model",
-    ),  # fmt: skip
+    ),
     Arch(
         "lfm2",
         dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
         note="convolution layers",
-    ),  # fmt: skip
+    ),
     Arch(
         "jamba",
         dict(
@@ -182,7 +182,7 @@ REFUSED = [
             mamba_expand=1,
         ),
         note="mamba layers",
-    ),  # fmt: skip
+    ),
     Arch(
         "falcon_h1",
         dict(
@@ -194,7 +194,21 @@ REFUSED = [
             mamba_chunk_size=16,
         ),
         note="attention and mamba side by side in every layer",
-    ),  # fmt: skip
+    ),
+    Arch(
+        "qwen3_next",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+        note="linear attention layers",
+    ),
     Arch(
         "deepseek_v3",
         dict(
@@ -219,7 +233,7 @@ REFUSED = [
         ),
         common=False,
         note="multi-head latent attention",
-    ),  # fmt: skip
+    ),
     Arch(
         "bart",
         dict(
@@ -233,7 +247,7 @@ REFUSED = [
         ),
         common=False,
         note="BART's decoder alone: learned positions of the packed index",
-    ),  # fmt: skip
+    ),
 ]
 
 

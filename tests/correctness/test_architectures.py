@@ -46,6 +46,7 @@ REFUSAL_MESSAGES = {
     "lfm2": "layers of type conv",
     "jamba": "layers of type",
     "falcon_h1": "layers of type hybrid",
+    "qwen3_next": "layers of type linear_attention",
     "deepseek_v3": "multi-head latent attention",
     "bart": "mixes tokens outside attention",
 }

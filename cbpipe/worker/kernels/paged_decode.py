@@ -31,6 +31,10 @@ Design:
   split only when the pairs do not cover the SMs.
 * Softmax runs in float32 in the base-2 domain (the scale is multiplied by log2(e) once), the
   usual online-softmax rescaling across tiles.
+* A layer's variant (``tiles.py``): with a sliding window the splits divide the keys from
+  the tile holding ``context_len - window`` on, so keys before the window are never read;
+  a soft-cap bends the scores; sinks start the first split's state at (sink, 1), and the
+  merge weighs them like any split. These variants have run under the interpreter only.
 
 Only long-stable ``tl`` operations are used (masked loads and stores, ``tl.dot``, ``tl.exp2``),
 so the kernels compile with the Triton of torch 2.11 through Triton 3.9, and run under

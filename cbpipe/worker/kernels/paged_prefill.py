@@ -32,6 +32,9 @@ Design (flash-attention forward, varlen and paged):
   the tile's first row position need no mask at all; the remaining tiles, up to the last
   row's position, apply the causal mask. Nothing past the last row's position is read.
 * Softmax runs in float32 in the base-2 domain with the usual online rescaling.
+* A layer's sliding window (``tiles.py``): a row tile starts at the key tile holding its first
+  row's window start, masks up to the first whole tile every row of the tile sees, and
+  skips the masks from there to the causal tiles; keys before the window are never read.
 
 Launch defaults (untuned: not yet measured on any GPU): ``M`` targets 128 (for ``G = 4``,
 32 query rows; for ``G = 8``, 16), capped so the query tile stays within ``_Q_TILE_BYTES``
@@ -48,10 +51,10 @@ Only long-stable ``tl`` operations are used (masked loads and stores, ``tl.dot``
 (3.5/3.6) through 3.9, and it runs under Triton's CPU interpreter (``TRITON_INTERPRET=1``
 before this module is imported), which is how the unit tests check it without a GPU.
 
-Status: not yet measured on a GPU; not yet wired into attention.py. It has been checked
-against ``paged_prefill_reference`` under the CPU interpreter only, so it has not even been
-compiled for a GPU yet (``tests/unit/test_paged_prefill_kernel.py -m gpu`` and
-``scripts/bench_attention.py`` are the first things to run on one).
+Status: the plain causal kernel is measured on an H200 (3.6-4.8x gather + SDPA,
+docs/PERFORMANCE.md) and serves prefill rows on CUDA (``attention/triton_rows.py``). The
+sliding-window, soft-cap and sink variants have been checked against
+``paged_prefill_reference`` under the CPU interpreter only.
 """
 
 from __future__ import annotations
