@@ -73,12 +73,12 @@ def _check_against_generate(name: str, prompts: list[list[int]], outputs: list[l
 
 @pytest.mark.parametrize("arch", VARIANT_ARCHS)
 @pytest.mark.parametrize(
-    ("graphs", "compile_decode"),
-    [(True, False), (True, True), (False, False)],
-    ids=["graphs", "compiled", "eager"],
+    ("backend", "graphs", "compile_decode"),
+    [("auto", True, False), ("auto", True, True), ("auto", False, False), ("torch", False, False)],
+    ids=["graphs", "compiled", "eager-kernels", "torch-path"],
 )
 def test_variant_models_match_generate_on_cuda(
-    arch: str, graphs: bool, compile_decode: bool, folders: dict[str, str]
+    arch: str, backend: str, graphs: bool, compile_decode: bool, folders: dict[str, str]
 ) -> None:
     name = folders[arch]
     prompts = _prompts(7, 11)
@@ -89,6 +89,8 @@ def test_variant_models_match_generate_on_cuda(
         max_num_seqs=8,
         max_batch_tokens=48,
         device=CUDA,
+        attention_backend=backend,
+        prefill_backend=backend,
         cuda_graphs=graphs,
         compile_decode=compile_decode,
     )

@@ -68,7 +68,8 @@ class GatheredRows:
             visible = key_pos[None, :] < lens  # [num_rows, max_k]
             if window is not None:
                 visible = visible & (key_pos[None, :] >= lens - window)
-            masks[window] = visible[:, None, None, :].expand(-1, -1, kv_group_size, -1)
+            mask = visible[:, None, None, :].expand(-1, -1, kv_group_size, -1)
+            masks[window] = mask.contiguous()  # as SDPA's fused kernels want it
         return cls(rows[:, None], kv_index, masks, 0, rows, torch.zeros_like(rows))
 
     @classmethod
