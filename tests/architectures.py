@@ -84,7 +84,7 @@ SERVED = [
     Arch("gemma", dict(head_dim=16)),
     Arch(
         "gemma2",
-        _window(attn_logit_softcapping=2.0, final_logit_softcapping=30.0, query_pre_attn_scalar=8),
+        _window(attn_logit_softcapping=2.0, final_logit_softcapping=30.0, query_pre_attn_scalar=2),
         ("window", "softcap", "scaling"),
         note="sliding and global layers alternate; attention soft-cap; query_pre_attn_scalar",
     ),
