@@ -19,7 +19,7 @@
 #            of tests/architectures.py against generate, in ARCH_DTYPES, how many match
 #            exactly), then the GPU cases of the attention kernel tests (sliding windows,
 #            soft-cap, sinks among them) and tests/gpu/test_architectures_gpu.py (variant
-#            models through graphs, compile and the warm-up)                          (~6 min)
+#            models through graphs, compile and the warm-up)                       (~6-9 min)
 #   gemma2   one decode step of random:gemma2-2b x32 at context 8192 (window 4096 on half
 #            the layers) eager, from a CUDA graph and compiled, against its floor     (~5 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
@@ -41,7 +41,8 @@
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
 #                          gets TARGET_TIMEOUT=420
 #   ARCH_DTYPES=bfloat16,float32  dtypes of the models part's architecture matrix
-#   MODELS_TIMEOUT=240     seconds for each of the models part's matrix and tests
+#   MODELS_TIMEOUT=270     seconds for each of the models part's matrix and tests (the two
+#                          fit one call; ARCH_DTYPES=bfloat16 halves the matrix)
 #   PYTHON=python
 #   COMPILE_CACHE=         a folder for torch.compile's and Triton's caches (e.g. .compile-cache,
 #                          ignored by git): a compiled start-up that found them warm took 98 s
@@ -253,12 +254,12 @@ fi
 if want models; then
     {
         section "architecture matrix (${ARCH_DTYPES:-bfloat16,float32}), engine against generate"
-        timeout -k 10 "${MODELS_TIMEOUT:-240}" "$PY" scripts/check_architectures.py --device cuda \
+        timeout -k 10 "${MODELS_TIMEOUT:-270}" "$PY" scripts/check_architectures.py --device cuda \
             --dtypes "${ARCH_DTYPES:-bfloat16,float32}" --json "$OUT/architectures.json" 2>&1 \
             | grep -v -e '^Loading weights' -e '^Writing model shards' -e 'RoPE scaling factor'
         echo "exit code ${PIPESTATUS[0]}"
         section "attention kernels' GPU cases and the variant models on the GPU"
-        timeout -k 10 "${MODELS_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q -s --durations=10 \
+        timeout -k 10 "${MODELS_TIMEOUT:-270}" "$PY" -m pytest -m gpu -q -s --durations=10 \
             tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py \
             tests/gpu/test_architectures_gpu.py 2>&1 | tail -40
         echo "exit code ${PIPESTATUS[0]}"
