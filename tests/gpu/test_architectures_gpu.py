@@ -130,3 +130,42 @@ def test_no_kernel_compiles_while_serving_a_variant_model(
         assert _compiled_kernel_variants() == after_start
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("arch", ("gemma2", "gpt_oss"))
+def test_variant_steps_never_synchronise_the_host(arch: str, folders: dict[str, str]) -> None:
+    """Windows, soft-cap and sinks are launch arguments: enqueueing an eager step (prefill
+    chunks and decodes) or replaying a decode graph reads nothing back from the device."""
+    engine = InProcessEngine(folders[arch], block_size=8, max_batch_tokens=64, device=CUDA)
+    try:
+        for n in (1, 40, 3, 90):
+            engine.add(list(range(5, 5 + n)), SamplingParams(max_new_tokens=8))
+        plans = [engine.scheduler.schedule()]  # prefill chunks
+        steps = [engine.packer.pack(plans[0], 0, None)]
+        plans.append(engine.scheduler.schedule())  # chunks, and decodes that carry tokens
+        steps.append(engine.packer.pack(plans[1], 1, 0))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = [engine.runner.launch(step) for step in steps]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for slot, (plan, item) in enumerate(zip(plans, launched, strict=True)):
+            item.wait()
+            engine.scheduler.update(plan, engine.packer.sampled_ids(slot, len(plan.seqs)))
+        replayed = False
+        while engine.scheduler.has_work and not replayed:  # on to decode-only steps
+            plan = engine.scheduler.schedule()
+            step = engine.packer.pack(plan, 2, None)
+            replayed = engine.runner.graphs.find(step) is not None
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if replayed else "default")
+            try:
+                item = engine.runner.launch(step)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            item.wait()
+            engine.scheduler.update(plan, engine.packer.sampled_ids(2, len(plan.seqs)))
+        assert replayed, "no decode step replayed a graph"
+    finally:
+        engine.close()
