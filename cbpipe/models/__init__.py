@@ -12,6 +12,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, Gemma2Config, LlamaConfig, PretrainedConfig, Qwen2Config
 
+from cbpipe.models.support import length_limit
+
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "default"
 RANDOM_PREFIX = "random:"
 
@@ -89,6 +91,17 @@ class ModelSource:
     @property
     def tokenizer_path(self) -> Path | None:
         return self.path
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The model's own length limit (``support.check_config`` refuses models without one,
+        unless ``--max-model-len`` is given)."""
+        limit = length_limit(self.config)
+        if limit is None:
+            raise ValueError(
+                f"model {self.name!r}: its configuration sets no max_position_embeddings"
+            )
+        return limit
 
     @property
     def eos_token_ids(self) -> list[int]:
