@@ -35,6 +35,7 @@ from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
+from cbpipe.models.support import check_config, length_limit
 from cbpipe.protocol.launch import EngineAddresses, RunSpec
 from cbpipe.protocol.liveness import HeartbeatTable
 from cbpipe.protocol.shm import (
@@ -111,11 +112,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def resolve_limits(config: EngineConfig) -> EngineConfig:
     """``config`` with its length limit resolved against the model's, once for every process
-    (``--max-model-len`` as given, never rounded to a block: the scheduler enforces it)."""
+    (``--max-model-len`` as given, never rounded to a block: the scheduler enforces it).
+
+    Raises ``ValueError`` for a model that cannot be resolved, and ``UnsupportedModel`` (a
+    ``ValueError`` too) for one cbpipe cannot serve, before any child starts.
+    """
     source = resolve_model(config.model.model)
-    model_len = source.max_position_embeddings
-    max_model_len = config.model.max_model_len or model_len
-    if max_model_len > model_len:
+    max_model_len = check_config(source.config, config.model.max_model_len)
+    model_len = length_limit(source.config)
+    if model_len is not None and max_model_len > model_len:
         raise ValueError(
             f"--max-model-len {max_model_len} exceeds the {model_len} positions "
             f"{config.model.model} was trained for"

@@ -22,6 +22,13 @@
 #            the worker does (capture time and memory, then the same without the full
 #            sampler's graphs, where FULL steps run eagerly); then the full sampler's GPU
 #            tests. SAMPLING_COMPILE=1 adds the 8B presets with --compile-decode  (~6 min)
+#   models   the architecture matrix (scripts/check_architectures.py: every served architecture
+#            of tests/architectures.py against generate, in ARCH_DTYPES, how many match
+#            exactly), then the GPU cases of the attention kernel tests (sliding windows,
+#            soft-cap, sinks among them) and tests/gpu/test_architectures_gpu.py (variant
+#            models through graphs, compile and the warm-up)                       (~6-9 min)
+#   gemma2   one decode step of random:gemma2-2b x32 at context 8192 (window 4096 on half
+#            the layers) eager, from a CUDA graph and compiled, against its floor     (~5 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
@@ -40,6 +47,9 @@
 #   TEST_TIMEOUT=480       seconds for the tests part (the suite took 361 s at 92754fa)
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
 #                          gets TARGET_TIMEOUT=420
+#   ARCH_DTYPES=bfloat16,float32  dtypes of the models part's architecture matrix
+#   MODELS_TIMEOUT=270     seconds for each of the models part's matrix and tests (the two
+#                          fit one call; ARCH_DTYPES=bfloat16 halves the matrix)
 #   PYTHON=python
 #   COMPILE_CACHE=         a folder for torch.compile's and Triton's caches (e.g. .compile-cache,
 #                          ignored by git): a compiled start-up that found them warm took 98 s
@@ -277,6 +287,33 @@ if want sampling; then
         echo "exit code ${PIPESTATUS[0]}"
     } 2>&1 | tee "$OUT/sampling.log"
     rcs+=("sampling=$(grep '^exit code' "$OUT/sampling.log" | awk '{print $3}' | paste -sd/ -)")
+if want models; then
+    {
+        section "architecture matrix (${ARCH_DTYPES:-bfloat16,float32}), engine against generate"
+        timeout -k 10 "${MODELS_TIMEOUT:-270}" "$PY" scripts/check_architectures.py --device cuda \
+            --dtypes "${ARCH_DTYPES:-bfloat16,float32}" --json "$OUT/architectures.json" 2>&1 \
+            | grep -v -e '^Loading weights' -e '^Writing model shards' -e 'RoPE scaling factor'
+        echo "exit code ${PIPESTATUS[0]}"
+        section "attention kernels' GPU cases and the variant models on the GPU"
+        timeout -k 10 "${MODELS_TIMEOUT:-270}" "$PY" -m pytest -m gpu -q -s --durations=10 \
+            tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py \
+            tests/gpu/test_architectures_gpu.py 2>&1 | tail -40
+        echo "exit code ${PIPESTATUS[0]}"
+    } 2>&1 | tee "$OUT/models.log"
+    rcs+=("models=$(grep '^exit code' "$OUT/models.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want gemma2; then
+    {
+        for graphs in --no-cuda-graphs --cuda-graphs --compile-decode; do
+            section "one decode step, random:gemma2-2b x32, context 8192, $graphs"
+            timeout -k 10 "${COMPILE_TIMEOUT:-300}" "$PY" scripts/profile_step.py \
+                --model random:gemma2-2b --batch 32 --context 8192 --steps 30 "$graphs" 2>&1 \
+                | grep -v '^USDT' | head -40
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+    } 2>&1 | tee "$OUT/gemma2.log"
+    rcs+=("gemma2=$(grep '^exit code' "$OUT/gemma2.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 {
@@ -285,6 +322,9 @@ fi
     echo "total $((SECONDS - started)) s"
     grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log 2>/dev/null || true
     grep -h -E '^(runner ready|per step|=====)' "$OUT"/sampling.log 2>/dev/null || true
+    grep -h -e 'architectures match exactly' -e '^refused as expected' "$OUT"/models.log \
+        2>/dev/null || true
+    grep -h -e '^=====' -e '^per step' -e '^bandwidth floor' "$OUT"/gemma2.log 2>/dev/null || true
     [ ! -s "$OUT/gpu_clocks.csv" ] || "$PY" - "$OUT/gpu_clocks.csv" <<'EOF'
 import csv, statistics, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 8 and r[6].strip().isdigit()]

@@ -41,7 +41,7 @@ from cbpipe.worker import attention
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
-    load_model,
+    load_paged_model,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
@@ -128,9 +128,8 @@ def main() -> None:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = load_model(resolve_model(args.model), device, dtype,
-                       attn_implementation=attention.register(),
-                       fuse=args.fuse_projections)  # fmt: skip
+    model, paged = load_paged_model(resolve_model(args.model), device, dtype,
+                                    fuse=args.fuse_projections)  # fmt: skip
     bs = args.block_size
     # Room for the keys a --grow run attends to (they are masked, but gathered).
     longest = max(args.context + 2 * args.steps + 16, args.prefill_len)
@@ -141,9 +140,9 @@ def main() -> None:
     num_blocks = num_seqs * blocks_per_seq
     if args.engine_block_layout:
         num_blocks = max(
-            num_blocks, num_kv_blocks(model, CacheConfig(block_size=bs), device, dtype)
+            num_blocks, num_kv_blocks(paged, CacheConfig(block_size=bs), device, dtype)
         )
-    kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
+    kv = allocate_kv_cache(paged, num_blocks, bs, device, dtype)
     layout = SlotLayout.build(SlotLimits(num_tokens, num_seqs, blocks_per_seq))
     segment = memoryview(bytearray(layout.segment_nbytes))
     kernel = attention.load_decode_kernel(args.attention_backend, device)
@@ -152,7 +151,7 @@ def main() -> None:
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     prefill_kernel = attention.load_prefill_kernel(args.prefill_attention_backend, device)
     batch_sizes = bucket_sizes(args.batch) if args.all_buckets else [args.batch]
-    runner = StepRunner(model, kv, layout, segment, device, decode_kernel=kernel,
+    runner = StepRunner(model, paged, kv, layout, segment, device, decode_kernel=kernel,
                         prefill_kernel=prefill_kernel,
                         graph_batch_sizes=batch_sizes if graphs else (),
                         compile_decode=args.compile_decode and graphs,
@@ -246,11 +245,16 @@ def _time_step(
     print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream "
           f"(sampling {preset})")  # fmt: skip
     if device.type == "cuda" and not num_prefills:
-        sizes = decode_bytes(model.config, dtype)
-        floor_ms = sizes.step_bytes(step.num_seqs * args.context) / copy_bandwidth(device) * 1e3
+        windows = [layer.variant.sliding_window for layer in runner.attention.layers]
+        sizes = decode_bytes(model.config, dtype, windows)
+        step_bytes = sizes.step_bytes_for([args.context] * step.num_seqs)
+        floor_ms = step_bytes / copy_bandwidth(device) * 1e3
         graph = runner.graph_for(step)
         print(
-            f"bandwidth floor {floor_ms:.2f} ms: the step takes {dev / floor_ms:.2f}x the floor"
+            f"bandwidth floor {floor_ms:.2f} ms ({sizes.weight_bytes / 1e9:.2f} GB of weights, "
+            f"{(step_bytes - sizes.weight_bytes) / 1e9:.2f} GB of KV"
+            f"{', windows counted' if sizes.windowed else ''}): "
+            f"the step takes {dev / floor_ms:.2f}x the floor"
             f" ({'graph' if graph else 'eager'}, decode kernel "
             f"{'triton' if kernel else 'torch'}, projections "
             f"{'fused' if args.fuse_projections else 'separate'}"

@@ -22,6 +22,7 @@ import zmq
 from cbpipe.collector import CollectorPacing
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
+from cbpipe.models.support import UnsupportedModel
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.messages import (
     Message,
@@ -37,7 +38,7 @@ from cbpipe.worker import attention
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
-    load_model,
+    load_paged_model,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
@@ -73,6 +74,12 @@ def worker_main(spec: RunSpec, ready: Connection) -> None:
         outbox.put(hello)
         ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
         _serve(steps, runner, outbox)
+    except UnsupportedModel as exc:  # the reason is the whole story: no traceback
+        # The launcher first, so that its message is this one rather than the scheduler's
+        # (which fails too, on the WorkerFailed below).
+        ready.send(("failed", str(exc)))
+        outbox.put(WorkerFailed(str(exc)))
+        raise SystemExit(1) from None
     except Exception as exc:
         log.exception("worker failed")
         outbox.put(WorkerFailed(f"{type(exc).__name__}: {exc}"))
@@ -98,13 +105,13 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         # Leave a core to the scheduler: the overlap we exist for is between processes.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     source = resolve_model(config.model.model)
-    model = load_model(
+    model, paged = load_paged_model(
         source,
         device,
         dtype,
         seed=config.model.seed,
-        attn_implementation=attention.register(),
         fuse=config.worker.fuse_projections,
+        max_model_len=config.model.max_model_len,
     )
     # The full sampler's per-request rows come out of the memory the KV cache is sized from.
     vocab = logits_width(model)
@@ -115,8 +122,8 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         vocab,
         SamplingState.nbytes(spec.layout.limits.max_seqs, vocab) / 1e6,
     )
-    num_blocks = num_kv_blocks(model, config.cache, device, dtype)
-    kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)
+    num_blocks = num_kv_blocks(paged, config.cache, device, dtype)
+    kv_cache = allocate_kv_cache(paged, num_blocks, config.cache.block_size, device, dtype)
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
     decode_kernel = attention.load_decode_kernel(config.worker.attention_backend, device)
     graph_sizes: list[int] = []
@@ -125,6 +132,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
     runner = StepRunner(
         model,
+        paged,
         kv_cache,
         spec.layout,
         segment.buf,

@@ -42,7 +42,15 @@ from cbpipe.protocol.slots import (
     StepOutputs,
     numpy_views,
 )
-from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep, PrefillKernel
+from cbpipe.worker.attention import (
+    DecodeGraphStep,
+    DecodeKernel,
+    KVCache,
+    ModelAttention,
+    PagedStep,
+    PrefillKernel,
+    StepAttention,
+)
 from cbpipe.worker.cuda_graphs import DecodeGraphs, GraphVariant, Replayable, tuning_batch
 from cbpipe.worker.sampler import (
     FullSample,
@@ -181,6 +189,7 @@ class StepRunner:
     def __init__(
         self,
         model: PreTrainedModel,
+        attention: ModelAttention,
         kv_cache: KVCache,
         layout: SlotLayout,
         segment: memoryview,
@@ -193,7 +202,10 @@ class StepRunner:
         sampling_state: SamplingState | None = None,
         full_sampling_graphs: bool = True,
     ) -> None:
-        """``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
+        """``attention``: the model's layers as the load-time probe found them, and the binding
+        through which each step's attention reaches them.
+
+        ``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
 
         On the CPU they are not captured but run as the same fixed-size body (for tests).
         ``compile_decode``: run the graphs' forward through ``torch.compile``, which fuses the
@@ -204,6 +216,7 @@ class StepRunner:
         FULL steps run eagerly; for measuring what they cost).
         """
         self.model = model
+        self.attention = attention
         self.kv_cache = kv_cache
         self.layout = layout
         self.device = device
@@ -242,8 +255,6 @@ class StepRunner:
                 f"sampling state for {sampling_state.vocab} tokens, model of {self.vocab}"
             )
         self.state = sampling_state
-        heads = model.config.get_text_config().num_attention_heads
-        self.kv_group_size = heads // kv_cache.keys[0].shape[1]  # query heads per KV head
         max_seqs = layout.limits.max_seqs
         # The sampled ids of the step launched last; the next step's carry-over reads them,
         # ordered after the write by the compute stream.
@@ -533,7 +544,8 @@ class StepRunner:
             num_single_token_seqs=step.num_single_token_seqs,
             max_query_len=step.max_query_len,
             max_context_len=step.max_context_len,
-            kv_group_size=self.kv_group_size,
+            kv_group_size=self.attention.kv_group_size,
+            windows=self.attention.windows,
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
         )
@@ -672,12 +684,12 @@ class StepRunner:
         input_ids = self._carry_over(inputs, batch, valid)
         slot_mapping = torch.where(valid, inputs.slot_mapping[:batch], self.kv_cache.padding_slot)
         context_lens = torch.where(valid, inputs.context_lens[:batch], 0)
-        paged = PagedStep.decode_only(
+        paged = DecodeGraphStep(
             self.kv_cache,
-            slot_mapping=slot_mapping,
-            context_lens=context_lens,
-            block_tables=inputs.block_tables,
-            block_table_width=inputs.header[_WIDTH : _WIDTH + 1],
+            slot_mapping,
+            context_lens,
+            inputs.block_tables,
+            inputs.header[_WIDTH : _WIDTH + 1],
         )
         positions = inputs.positions[:batch]
         logits = self._forward(self._decode_model, input_ids, positions, paged, logits_rows=0)
@@ -693,21 +705,23 @@ class StepRunner:
         carried = self.last_sampled[inputs.carry_src[:num_rows].long()]
         return torch.where(carry, carried, inputs.input_ids[:num_rows])
 
-    @staticmethod
     def _forward(
+        self,
         model: torch.nn.Module,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        paged: PagedStep,
+        paged: StepAttention,
         logits_rows: torch.Tensor | int,
     ) -> torch.Tensor:
-        return model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            logits_to_keep=logits_rows,
-            use_cache=False,
-            paged=paged,
-        ).logits[0]
+        # The step reaches every layer's attention through the binding, whatever the model's
+        # layers pass on (attention/binding.py); it is unbound when the forward returns.
+        with self.attention.binding.bind(paged):
+            return model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                logits_to_keep=logits_rows,
+                use_cache=False,
+            ).logits[0]
 
     def _sample(
         self,

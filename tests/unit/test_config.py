@@ -73,7 +73,7 @@ def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
     assert resolved.model.max_model_len == 100  # what the scheduler enforces
     assert plan_layout(resolved).limits.max_blocks_per_seq == 7  # room for it in 16-token blocks
     default = resolve_limits(EngineConfig())
-    assert default.model.max_model_len == resolve_model("default").max_position_embeddings
+    assert default.model.max_model_len == resolve_model("default").config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds"):
         resolve_limits(EngineConfig(model=ModelConfig(max_model_len=10**7)))
 
