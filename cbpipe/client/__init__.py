@@ -4,6 +4,7 @@ Depends on the protocol, pyzmq and msgpack only: it imports without torch.
 ``Client`` is for threads, ``AsyncClient`` for asyncio; both keep the same contract.
 """
 
+from cbpipe.client.async_client import AsyncClient, AsyncJob
 from cbpipe.client.client import Client, Job
 from cbpipe.client.jobs import (
     Delta,
@@ -16,6 +17,8 @@ from cbpipe.client.jobs import (
 from cbpipe.protocol.messages import Stats
 
 __all__ = [
+    "AsyncClient",
+    "AsyncJob",
     "Client",
     "Delta",
     "EngineError",
