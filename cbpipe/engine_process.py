@@ -18,7 +18,7 @@ from typing import IO
 
 from cbpipe.lifetime import end_with_parent
 
-READY = re.compile(r"^cbpipe ready address=(\S+) scheduler=(\d+) worker=(\d+)")
+READY = re.compile(r"^cbpipe ready address=(\S+) scheduler=(\d+) worker=(\d+)(.*)$")
 
 
 class EngineStartError(RuntimeError):
@@ -119,6 +119,12 @@ class EngineProcess:
     @property
     def worker_pid(self) -> int:
         return int(self._ready_line()[3])
+
+    @property
+    def ready_fields(self) -> dict[str, str]:
+        """Every ``key=value`` of the ready line (other children's pids, an HTTP URL, ...)."""
+        line = self._ready_line()
+        return dict(f.split("=", 1) for f in line[0].split()[2:] if "=" in f)
 
     def _ready_line(self) -> re.Match[str]:
         if self._ready is None:

@@ -1,5 +1,8 @@
-"""``cbpipe-launch``: start the scheduler and the worker, watch them, clean up after them.
+"""``cbpipe-launch``: start the engine's processes, watch them, clean up after them.
 
+The processes are a list of named ``ChildSpec`` entries (the worker, the scheduler, and
+whatever else serves: an HTTP front end is one more entry). Each starts once the children it
+comes ``after`` have reported ready, and must report ready itself within the time limit.
 The launcher owns everything that must not outlive the run: the shared-memory segment and the
 folder of ipc sockets. It creates both before the children start and removes both in a
 ``finally`` block, whatever ends the run: a signal, a child's death, or an error at start.
@@ -8,17 +11,21 @@ folder of ipc sockets. It creates both before the children start and removes bot
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 
 from cbpipe import config as config_module
@@ -42,7 +49,39 @@ log = logging.getLogger("cbpipe.launcher")
 PARENT_DIED = signal.SIGUSR1
 
 STOP_TIMEOUT_S = 10.0
-WORKER_GRACE_S = 3.0  # for the worker to act on the scheduler's shutdown message
+PEER_STOP_GRACE_S = 3.0  # for a child to act on the shutdown message of the one that stops it
+
+ChildTarget = Callable[..., None]  # (spec, ready connection, *args) -> None
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One process of the engine.
+
+    ``after``: children that must be ready before this one starts. ``stopped_by``: the child
+    that tells this one to stop (the scheduler sends the worker a shutdown message), so the
+    launcher gives it a moment after stopping that one before signalling it. Children stop
+    in the reverse of their order in the list.
+    """
+
+    name: str
+    target: ChildTarget
+    args: tuple[object, ...] = ()
+    after: tuple[str, ...] = ()
+    stopped_by: str | None = None
+
+
+def engine_children(config: EngineConfig) -> list[ChildSpec]:
+    """The processes a run of ``config`` needs, in start order."""
+    from cbpipe.scheduler.process import scheduler_main
+    from cbpipe.worker.process import worker_main
+
+    # The scheduler waits for the worker's handshake itself, so both start at once: the
+    # worker's model loading is most of start-up.
+    return [
+        ChildSpec("worker", worker_main, stopped_by="scheduler"),
+        ChildSpec("scheduler", scheduler_main),
+    ]
 
 
 class LaunchError(RuntimeError):
@@ -64,15 +103,30 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(Launcher(config).run())
 
 
-def plan_layout(config: EngineConfig) -> SlotLayout:
-    """Slot capacities from the engine limits and the model's maximum length."""
+def resolve_limits(config: EngineConfig) -> EngineConfig:
+    """``config`` with its length limit resolved against the model's, once for every process
+    (``--max-model-len`` as given, never rounded to a block: the scheduler enforces it)."""
     source = resolve_model(config.model.model)
-    max_model_len = config.model.max_model_len or source.max_position_embeddings
+    model_len = source.max_position_embeddings
+    max_model_len = config.model.max_model_len or model_len
+    if max_model_len > model_len:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the {model_len} positions "
+            f"{config.model.model} was trained for"
+        )
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, max_model_len=max_model_len)
+    )
+
+
+def plan_layout(config: EngineConfig) -> SlotLayout:
+    """Slot capacities from the engine limits and the (resolved) maximum length."""
+    assert config.model.max_model_len is not None, "resolve_limits first"
     block_size = config.cache.block_size
     limits = SlotLimits(
         max_tokens=config.scheduler.max_batch_tokens,
         max_seqs=config.scheduler.max_num_seqs,
-        max_blocks_per_seq=-(-max_model_len // block_size),
+        max_blocks_per_seq=-(-config.model.max_model_len // block_size),
     )
     # One slot per step in flight (the scheduler writes a slot only once its last step is
     # back), and two at least: the layout double-buffers.
@@ -87,13 +141,16 @@ class Launcher:
     def run(self) -> int:
         """Serve until a signal (exit 0) or a child's death (exit 1)."""
         try:
+            self.config = resolve_limits(self.config)
             layout = plan_layout(self.config)
         except ValueError as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)
             return 2
+        started = time.monotonic()
         run_dir = tempfile.mkdtemp(prefix="cbpipe-")
         segment = create_segment(new_segment_name(), layout.segment_nbytes)
         children: dict[str, mp.process.BaseProcess] = {}
+        specs = engine_children(self.config)
         try:
             spec = RunSpec(
                 self.config,
@@ -105,20 +162,16 @@ class Launcher:
                 run_dir=run_dir,
             )
             self._install_signal_handlers()
-            children = self._start_children(spec)
+            details = self._start_children(spec, specs, children)
             if self.stop_requested:
                 return 0
-            print(
-                f"cbpipe ready address={spec.addresses.client} "
-                f"scheduler={children['scheduler'].pid} worker={children['worker'].pid}",
-                flush=True,
-            )
+            print(_ready_line(spec, children, details, time.monotonic() - started), flush=True)
             return self._watch(children)
         except LaunchError as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)
             return 1
         finally:
-            _stop(children)
+            _stop(specs, children)
             remove_segment(segment)
             shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -129,24 +182,36 @@ class Launcher:
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
 
-    def _start_children(self, spec: RunSpec) -> dict[str, mp.process.BaseProcess]:
-        from cbpipe.scheduler.process import scheduler_main
-        from cbpipe.worker.process import worker_main
+    def _start_children(
+        self,
+        spec: RunSpec,
+        specs: list[ChildSpec],
+        children: dict[str, mp.process.BaseProcess],
+    ) -> dict[str, str]:
+        """Start every child once those it comes after are ready; wait until all are.
 
+        ``children`` fills as they start (the caller stops them whatever happens); returns
+        what each reported with its readiness (its address, say).
+        """
         context = mp.get_context("spawn")
-        children, pipes = {}, {}
-        for name, target in (("worker", worker_main), ("scheduler", scheduler_main)):
-            receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(target=_child, args=(target, spec, sender), name=name)
-            process.start()
-            sender.close()
-            children[name], pipes[name] = process, receiver
+        pending = list(specs)
+        waiting: dict[str, mp.connection.Connection] = {}
+        ready: dict[str, str] = {}
         deadline = time.monotonic() + spec.config.ready_timeout_s
-        waiting = dict(pipes)
-        while waiting and not self.stop_requested:
+        while (pending or waiting) and not self.stop_requested:
+            for child in [c for c in pending if all(a in ready for a in c.after)]:
+                receiver, sender = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_child, args=(child.target, spec, sender, child.args), name=child.name
+                )
+                process.start()
+                sender.close()
+                children[child.name], waiting[child.name] = process, receiver
+                pending.remove(child)
             if time.monotonic() > deadline:
                 raise LaunchError(
-                    f"{', '.join(waiting)} not ready within {spec.config.ready_timeout_s:.0f} s"
+                    f"{', '.join([*waiting, *(c.name for c in pending)])} not ready within "
+                    f"{spec.config.ready_timeout_s:.0f} s"
                 )
             for conn in mp.connection.wait(list(waiting.values()), timeout=0.2):
                 name = next(n for n, c in waiting.items() if c is conn)
@@ -154,8 +219,9 @@ class Launcher:
                 if status != "ready":
                     raise LaunchError(f"the {name} failed to start:\n{detail}")
                 log.info("%s ready: %s", name, detail)
+                ready[name] = detail
                 del waiting[name]
-        return children
+        return ready
 
     def _watch(self, children: dict[str, mp.process.BaseProcess]) -> int:
         sentinels = {p.sentinel: name for name, p in children.items()}
@@ -174,7 +240,25 @@ class Launcher:
         return 0
 
 
-def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def]
+def _ready_line(
+    spec: RunSpec,
+    children: dict[str, mp.process.BaseProcess],
+    details: dict[str, str],
+    startup_s: float,
+) -> str:
+    """``cbpipe ready address=... scheduler=PID worker=PID [name=PID ...] [key=value ...]
+    startup_s=S``: the client address, every child's pid (the scheduler's and the worker's
+    first), what a child serves besides when its readiness says ``key=value`` (an HTTP URL),
+    and how long start-up took."""
+    names = ["scheduler", "worker", *(n for n in children if n not in ("scheduler", "worker"))]
+    fields = [f"address={spec.addresses.client}"]
+    fields += [f"{name}={children[name].pid}" for name in names]
+    fields += [d for d in details.values() if re.fullmatch(r"[a-z_]+=\S+", d)]
+    fields.append(f"startup_s={startup_s:.1f}")
+    return "cbpipe ready " + " ".join(dict.fromkeys(fields))
+
+
+def _child(target, spec: RunSpec, ready, args) -> None:  # type: ignore[no-untyped-def]
     # Ctrl-C reaches the whole process group; the launcher alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A launcher killed outright stops and cleans up nothing: its children do, on a signal of
@@ -183,7 +267,7 @@ def _child(target, spec: RunSpec, ready) -> None:  # type: ignore[no-untyped-def
     end_with_parent(spec.launcher_pid, PARENT_DIED)
     code = 1
     try:
-        target(spec, ready)
+        target(spec, ready, *args)
         code = 0
     except SystemExit as exc:
         code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
@@ -215,17 +299,18 @@ def _read_status(conn: mp.connection.Connection) -> tuple[str, str]:
         return "failed", "the process exited before reporting"
 
 
-def _stop(children: dict[str, mp.process.BaseProcess]) -> None:
-    """Scheduler first: it tells the worker to shut down; then whatever is left."""
-    scheduler, worker = children.get("scheduler"), children.get("worker")
-    if scheduler is not None and scheduler.is_alive():
-        scheduler.terminate()
-        scheduler.join(STOP_TIMEOUT_S)
-    if worker is not None and worker.is_alive():
-        worker.join(WORKER_GRACE_S)
-        if worker.is_alive():
-            worker.terminate()
-            worker.join(STOP_TIMEOUT_S)
+def _stop(specs: list[ChildSpec], children: dict[str, mp.process.BaseProcess]) -> None:
+    """In the reverse of the start order; a child stopped by another gets a moment to act
+    on that one's message first. Whatever is left at the end is killed."""
+    for child in reversed(specs):
+        process = children.get(child.name)
+        if process is None or not process.is_alive():
+            continue
+        if child.stopped_by is not None:
+            process.join(PEER_STOP_GRACE_S)
+        if process.is_alive():
+            process.terminate()
+            process.join(STOP_TIMEOUT_S)
     for process in children.values():
         if process.is_alive():
             process.kill()

@@ -87,7 +87,8 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
-    max_model_len = spec.layout.limits.max_blocks_per_seq * config.cache.block_size
+    max_model_len = config.model.max_model_len
+    assert max_model_len is not None  # the launcher resolves it
     model = ModelInfo(
         name=hello.model,
         vocab_size=hello.vocab_size,

@@ -62,3 +62,17 @@ def test_unknown_options_and_bad_values_are_errors() -> None:
         with pytest.raises(ValueError, match="steps-in-flight"):
             deep.validate()
     config.EngineConfig(scheduler=config.SchedulerConfig(steps_in_flight=2)).validate()
+
+
+def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
+    from cbpipe.launcher import plan_layout, resolve_limits
+    from cbpipe.models import resolve_model
+
+    EngineConfig, ModelConfig = config.EngineConfig, config.ModelConfig
+    resolved = resolve_limits(EngineConfig(model=ModelConfig(max_model_len=100)))
+    assert resolved.model.max_model_len == 100  # what the scheduler enforces
+    assert plan_layout(resolved).limits.max_blocks_per_seq == 7  # room for it in 16-token blocks
+    default = resolve_limits(EngineConfig())
+    assert default.model.max_model_len == resolve_model("default").max_position_embeddings
+    with pytest.raises(ValueError, match="exceeds"):
+        resolve_limits(EngineConfig(model=ModelConfig(max_model_len=10**7)))
