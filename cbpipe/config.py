@@ -104,11 +104,34 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP front end (``cbpipe/server/``)."""
+
+    port: int | None = _opt(
+        None,
+        "serve the OpenAI-compatible HTTP API on this port (0: any free one); "
+        "default: no HTTP server",
+    )
+    host: str = _opt("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)")
+    api_server_count: int = _opt(1, "HTTP server processes, sharing the port")
+    api_key: str | None = _opt(
+        None, "require 'Authorization: Bearer KEY' on /v1/ (default: $CBPIPE_API_KEY, if set)"
+    )
+    served_model_name: str | None = _opt(
+        None, "the model's name in the HTTP API; default: the --model value"
+    )
+    chat_template: str | None = _opt(
+        None, "a Jinja chat template (a file, or the template itself) instead of the tokenizer's"
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     address: str | None = _opt(
         None, "client address (zmq, e.g. tcp://127.0.0.1:5555); default: a new ipc:// path"
     )
@@ -140,6 +163,11 @@ class EngineConfig:
                 self.model.max_model_len is None or self.model.max_model_len >= 2,
                 "--max-model-len must be >= 2",
             ),
+            (
+                self.server.port is None or 0 <= self.server.port <= 65535,
+                "--port must be in 0..65535",
+            ),
+            (self.server.api_server_count >= 1, "--api-server-count must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

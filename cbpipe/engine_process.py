@@ -126,6 +126,11 @@ class EngineProcess:
         line = self._ready_line()
         return dict(f.split("=", 1) for f in line[0].split()[2:] if "=" in f)
 
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP server's base URL (``http://host:port``), when it serves one."""
+        return self.ready_fields.get("http")
+
     def _ready_line(self) -> re.Match[str]:
         if self._ready is None:
             raise EngineStartError("the engine is not ready: call wait_ready() first")

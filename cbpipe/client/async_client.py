@@ -26,6 +26,7 @@ from cbpipe.client.jobs import (
     EngineError,
     JobChange,
     JobState,
+    PromptLogprob,
     Result,
     SamplingOptions,
     route_reply,
@@ -67,6 +68,12 @@ class AsyncJob:
     @property
     def done(self) -> bool:
         return self._state.done
+
+    @property
+    def prompt_logprobs(self) -> PromptLogprob | None:
+        """The prompt's log-probabilities, once they arrived (a job that asked for them gets
+        them before its first tokens)."""
+        return self._state.prompt_logprobs
 
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the job to finish; raises ``TimeoutError`` after ``timeout`` seconds.
@@ -123,6 +130,12 @@ class AsyncJob:
         """Ask the engine to stop this job; ``result()`` then reports ``"cancelled"``."""
         if not self.done:
             await self._client._send(Cancel(self.request_id))
+
+    def cancel_nowait(self) -> None:
+        """``cancel()`` for code that cannot await (a cancelled task's clean-up); a client
+        that is closed or lost has nothing left to cancel."""
+        if not self.done and self._client.failure is None and not self._client._closing:
+            self._client._send_nowait(encode(Cancel(self.request_id)))
 
     async def _wait(self) -> None:
         # Cleared before each wait: the state was checked since the last change (nothing
@@ -219,8 +232,7 @@ class AsyncClient:
         params, frame = submit_frame(request_id, prompt, max_new_tokens, options)
         job = AsyncJob(request_id, params, self)
         self._jobs[request_id] = job
-        sent = asyncio.ensure_future(self._socket.send(frame))  # already a future: no task
-        sent.add_done_callback(self._check_sent)
+        self._send_nowait(frame)
         return job
 
     async def generate(
@@ -288,6 +300,10 @@ class AsyncClient:
     async def _send(self, message: Message) -> None:
         self._check_usable()
         await self._socket.send(encode(message))
+
+    def _send_nowait(self, frame: bytes) -> None:
+        sent = asyncio.ensure_future(self._socket.send(frame))  # already a future: no task
+        sent.add_done_callback(self._check_sent)
 
     def _check_sent(self, sent: asyncio.Future[Any]) -> None:
         if not sent.cancelled() and sent.exception() is not None:
