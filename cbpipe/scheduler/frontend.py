@@ -1,19 +1,25 @@
 """The client-facing half of the scheduler: validating jobs, mapping ids, replying.
 
 Clients talk to a ROUTER socket; every frame arrives with the client's identity. A job is
-known to the client by its own ``request_id`` and to the scheduler core by an engine-wide id.
-Every way a frame can be wrong ends here as an ``Error`` reply (or a dropped frame when no
-client can be named); nothing that a client sends can reach the core unvalidated.
+known to the client by its own ``request_id``; each of its ``n`` samples is a request of its
+own to the scheduler core, under an engine-wide id. Every way a frame can be wrong ends here
+as an ``Error`` reply (or a dropped frame when no client can be named); nothing that a client
+sends can reach the core unvalidated.
+
+Outbound, a step's results pass the text stage (``text.py``) on their way to the clients:
+each sample's tokens become text, and a stop string found there finishes the sample through
+``Scheduler.finish`` like any other stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import zmq
 
@@ -27,6 +33,7 @@ from cbpipe.protocol.messages import (
     Goodbye,
     Hello,
     Message,
+    PromptLogprobs,
     ProtocolError,
     Stats,
     Submit,
@@ -36,11 +43,15 @@ from cbpipe.protocol.messages import (
     encode,
     request_id_of,
 )
-from cbpipe.protocol.sampling import MAX_SEED
+from cbpipe.protocol.sampling import MAX_SEED, SamplingParams
+from cbpipe.protocol.slots import MAX_EOS_TOKEN_IDS
 from cbpipe.scheduler.core import RequestUpdate, Scheduler
-from cbpipe.scheduler.request import FINISH_REASONS, Request
+from cbpipe.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from cbpipe.scheduler.text import Detokenizer, SampleText
 
 log = logging.getLogger("cbpipe.scheduler")
+
+_MASK64 = (1 << 63) - 1
 
 
 class RequestRejected(ValueError):
@@ -54,11 +65,30 @@ class ModelInfo:
     max_total_tokens: int  # prompt + outputs, bounded by the model and the KV cache
     eos_token_ids: frozenset[int]
 
+    def __post_init__(self) -> None:
+        if len(self.eos_token_ids) > MAX_EOS_TOKEN_IDS:
+            raise ValueError(
+                f"the model declares {len(self.eos_token_ids)} EOS token ids; the slots hold "
+                f"bans for {MAX_EOS_TOKEN_IDS}"
+            )
+
 
 @dataclass(frozen=True)
 class Origin:
     identity: bytes
     client_request_id: int
+
+
+@dataclass
+class Job:
+    """A client's job as the frontend tracks it: its samples' engine ids, the ones still
+    open, and each sample's text while it is produced."""
+
+    origin: Origin
+    engine_ids: list[int]
+    open: set[int]
+    texts: dict[int, SampleText] = field(default_factory=dict)  # by engine id
+    prompt_logprobs_sent: bool = False
 
 
 class Frontend:
@@ -67,15 +97,16 @@ class Frontend:
         socket: zmq.Socket,
         scheduler: Scheduler,
         model: ModelInfo,
-        tokenizer: object | None,
+        tokenizer: Any | None,
     ) -> None:
         self.socket = socket
         self.scheduler = scheduler
         self.model = model
         self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.failure: str | None = None  # set once the engine cannot serve any more
-        self._origins: dict[int, Origin] = {}
-        self._engine_ids: dict[Origin, int] = {}
+        self._jobs: dict[Origin, Job] = {}
+        self._job_of: dict[int, Job] = {}  # by engine id
         self._next_id = 0
         self._handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
             Hello: self._on_hello,
@@ -123,24 +154,27 @@ class Frontend:
             self._send(identity, Error(message.request_id, ErrorKind.ENGINE, self.failure))
             return
         try:
-            req = self._make_request(origin, message)
+            reqs = self._make_requests(origin, message)
         except RequestRejected as exc:
             self._send(identity, Error(message.request_id, ErrorKind.REQUEST, str(exc)))
             return
-        self._origins[req.request_id] = origin
-        self._engine_ids[origin] = req.request_id
-        req.arrival_ns = time.perf_counter_ns()
-        self.num_prompt_tokens += req.num_prompt_tokens
-        self.scheduler.add_request(req)
+        job = Job(origin, [r.request_id for r in reqs], {r.request_id for r in reqs})
+        self._jobs[origin] = job
+        arrival_ns = time.perf_counter_ns()
+        for req in reqs:
+            self._job_of[req.request_id] = job
+            if self.detokenizer is not None and req.params.detokenize:
+                job.texts[req.request_id] = self.detokenizer.sample(req.params.stop)
+            req.arrival_ns = arrival_ns
+            self.num_prompt_tokens += req.num_prompt_tokens
+            self.scheduler.add_request(req)
 
     def _on_cancel(self, identity: bytes, message: Message) -> None:
         assert isinstance(message, Cancel)
-        engine_id = self._engine_ids.get(Origin(identity, message.request_id))
-        if engine_id is None:
+        job = self._jobs.get(Origin(identity, message.request_id))
+        if job is None:
             return  # already finished: the client has or will get its Finished
-        req = self.scheduler.cancel(engine_id)
-        if req is not None:
-            self._finish(req)
+        self._cancel(job)
 
     def _on_get_stats(self, identity: bytes, message: Message) -> None:
         scheduler = self.scheduler
@@ -160,44 +194,66 @@ class Frontend:
 
     def _on_goodbye(self, identity: bytes, message: Message) -> None:
         """The client is closing and nobody will read these jobs' tokens: stop them now."""
-        orphans = [eid for origin, eid in self._engine_ids.items() if origin.identity == identity]
-        for engine_id in orphans:
-            req = self.scheduler.cancel(engine_id)
-            if req is not None:
-                self._finish(req)
+        orphans = [job for origin, job in self._jobs.items() if origin.identity == identity]
+        for job in orphans:
+            self._cancel(job)
         if orphans:
             log.info("client %s closed: cancelled %d jobs", identity.hex(), len(orphans))
 
-    def _make_request(self, origin: Origin, message: Submit) -> Request:
-        if origin in self._engine_ids:
+    def _cancel(self, job: Job) -> None:
+        for engine_id in list(job.open):
+            req = self.scheduler.cancel(engine_id)
+            if req is not None:
+                self._finish(req)
+
+    def _make_requests(self, origin: Origin, message: Submit) -> list[Request]:
+        if origin in self._jobs:
             raise RequestRejected(f"request_id {message.request_id} is already in use")
         params = message.params
         try:
             params.validate()
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
+        self._check_token_ids(params)
+        if params.detokenize and self.tokenizer is None and params.stop:
+            raise RequestRejected(
+                f"model {self.model.name} has no tokenizer: stop strings cannot be matched"
+            )
         prompt = self._prompt_tokens(message.prompt)
-        vocab = self.model.vocab_size
-        for token_id in params.stop_token_ids:
-            if token_id >= vocab:
-                raise RequestRejected(
-                    f"stop token id {token_id} is outside the vocabulary [0, {vocab})"
-                )
         limit = self.model.max_total_tokens
         if len(prompt) >= limit:
             raise RequestRejected(
                 f"prompt of {len(prompt)} tokens is too long: this engine holds at most "
                 f"{limit} tokens per sequence, prompt and output together"
             )
-        self._next_id += 1
-        return Request(
-            request_id=self._next_id,
-            prompt_token_ids=prompt,
-            params=params,
-            seed=params.seed if params.seed is not None else secrets.randbelow(MAX_SEED),
-            max_total_tokens=limit,
-            eos_token_ids=self.model.eos_token_ids,
-        )
+        seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
+        reqs = []
+        for index in range(params.n):
+            # The prompt's log-probabilities are the same for every sample: one computes them.
+            sample_params = params if index == 0 else _without_prompt_logprobs(params)
+            self._next_id += 1
+            reqs.append(
+                Request(
+                    request_id=self._next_id,
+                    prompt_token_ids=prompt,
+                    params=sample_params,
+                    seed=_sample_seed(seed, index),
+                    max_total_tokens=limit,
+                    eos_token_ids=self.model.eos_token_ids,
+                    sample_index=index,
+                )
+            )
+        return reqs
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model.vocab_size
+        for what, ids in (
+            ("stop token id", params.stop_token_ids),
+            ("logit_bias token id", [token for token, _ in params.logit_bias]),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise RequestRejected(f"{what} {bad} is outside the vocabulary [0, {vocab})")
 
     def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -205,7 +261,7 @@ class Frontend:
                 raise RequestRejected(
                     f"model {self.model.name} has no tokenizer: send the prompt as token ids"
                 )
-            tokens = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)  # type: ignore[operator]
+            tokens = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
         else:
             tokens = prompt
             vocab = self.model.vocab_size
@@ -221,36 +277,65 @@ class Frontend:
     # --- outbound -----------------------------------------------------------------------
 
     def publish(self, updates: list[RequestUpdate]) -> None:
-        """Stream a step's new tokens: one frame per client, then one per finished job."""
+        """Stream a step's new tokens and text: one frame per client, then one per finished
+        sample. Stop strings found in the text finish their samples here."""
         self.num_steps += 1
         self.num_generation_tokens += len(updates)
-        by_client: dict[bytes, list[tuple[Origin, RequestUpdate]]] = {}
+        by_client: dict[bytes, list[tuple[Job, RequestUpdate, str | None]]] = {}
+        finished = []
         for update in updates:
-            origin = self._origins.get(update.req.request_id)
-            if origin is not None:
-                by_client.setdefault(origin.identity, []).append((origin, update))
+            req = update.req
+            job = self._job_of.get(req.request_id)
+            if job is None:
+                continue
+            # Judged by the update, not by the request: a later step may have been applied
+            # already, and finished it with a token still to stream.
+            done = update.finished
+            text = job.texts.get(req.request_id)
+            delta = None
+            if text is not None:
+                delta = text.add(update.token_id)
+                if text.stopped_by is not None:
+                    self._stop_on_string(req, text.stopped_by)
+                    done = True
+            if req.params.prompt_logprobs is not None and not job.prompt_logprobs_sent:
+                job.prompt_logprobs_sent = True  # complete with the prompt's last chunk
+                self._send(job.origin.identity, _prompt_logprobs_frame(job, req))
+            by_client.setdefault(job.origin.identity, []).append((job, update, delta))
+            if done:
+                finished.append(req)
         for identity, entries in by_client.items():
             self._send(identity, _tokens_frame(entries))
-        for update in updates:
-            if update.finished:
-                self._finish(update.req)
+        for req in finished:
+            self._finish(req)
+
+    def _stop_on_string(self, req: Request, stop: str) -> None:
+        if req.is_finished:  # its last token also reached a length limit: the stop wins
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        req.stop_reason = stop
 
     def _finish(self, req: Request) -> None:
-        origin = self._origins.pop(req.request_id, None)
-        if origin is None:
+        job = self._job_of.pop(req.request_id, None)
+        if job is None:
             return
-        del self._engine_ids[origin]
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        job.open.discard(req.request_id)
+        if not job.open:
+            del self._jobs[job.origin]
+        text = job.texts.pop(req.request_id, None)
+        final_text = None
+        if text is not None:
+            text.release()
+            final_text = text.text
         reason = cast(FinishReasonName, FINISH_REASONS[req.status].value)
         queued_ns = (req.first_scheduled_ns or req.arrival_ns) - req.arrival_ns
         self._send(
-            origin.identity,
+            job.origin.identity,
             Finished(
-                origin.client_request_id,
+                job.origin.client_request_id,
                 reason,
-                text,
+                final_text,
                 req.num_prompt_tokens,
                 index=req.sample_index,
                 stop_reason=req.stop_reason,
@@ -261,13 +346,13 @@ class Frontend:
     def fail_everything(self, reason: str) -> None:
         """The engine cannot go on: every job gets an engine error, and so will new ones."""
         self.failure = reason
-        for req in self.scheduler.fail_all():
-            origin = self._origins.pop(req.request_id, None)
-            if origin is not None:
-                del self._engine_ids[origin]
-                self._send(
-                    origin.identity, Error(origin.client_request_id, ErrorKind.ENGINE, reason)
-                )
+        self.scheduler.fail_all()
+        for job in self._jobs.values():
+            self._send(
+                job.origin.identity, Error(job.origin.client_request_id, ErrorKind.ENGINE, reason)
+            )
+        self._jobs.clear()
+        self._job_of.clear()
 
     def _send(self, identity: bytes, message: Message) -> None:
         try:
@@ -276,17 +361,47 @@ class Frontend:
             log.warning("client %s is not reading; dropped a %s", identity.hex(), message.TYPE)
 
 
-def _tokens_frame(entries: list[tuple[Origin, RequestUpdate]]) -> Tokens:
+def _sample_seed(seed: int, index: int) -> int:
+    """Sample 0 keeps the job's seed; the others get seeds of their own derived from it, so a
+    seeded job of n samples is reproducible and its samples differ."""
+    if index == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
+
+
+def _without_prompt_logprobs(params: SamplingParams) -> SamplingParams:
+    if params.prompt_logprobs is None:
+        return params
+    return dataclasses.replace(params, prompt_logprobs=None)
+
+
+def _prompt_logprobs_frame(job: Job, req: Request) -> PromptLogprobs:
+    buffer = req.prompt_logprobs
+    if buffer is None or buffer.top_ids is None or buffer.top_logprobs is None:
+        empty: list[list[Any]] = []
+        return PromptLogprobs(job.origin.client_request_id, req.prompt_token_ids, [], empty, empty)
+    return PromptLogprobs(
+        job.origin.client_request_id,
+        req.prompt_token_ids,
+        buffer.logprobs[1:].tolist(),
+        buffer.top_ids[1:].tolist(),
+        buffer.top_logprobs[1:].tolist(),
+    )
+
+
+def _tokens_frame(entries: list[tuple[Job, RequestUpdate, str | None]]) -> Tokens:
     """One client's share of a step as one ``Tokens`` frame; optional columns only when a job
     in it asked for them."""
-    updates = [u for _, u in entries]
+    updates = [u for _, u, _ in entries]
+    with_text = any(text is not None for _, _, text in entries)
     with_logprobs = any(u.req.params.logprobs is not None for u in updates)
     with_top = any(u.top is not None for u in updates)
     with_indices = any(u.req.sample_index for u in updates)
     return Tokens(
-        request_ids=[origin.client_request_id for origin, _ in entries],
+        request_ids=[job.origin.client_request_id for job, _, _ in entries],
         token_ids=[[u.token_id] for u in updates],
         indices=[u.req.sample_index for u in updates] if with_indices else None,
+        texts=[text or "" for _, _, text in entries] if with_text else None,
         logprobs=[[u.logprob] if u.req.params.logprobs is not None else [] for u in updates]
         if with_logprobs
         else None,

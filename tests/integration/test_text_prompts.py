@@ -73,3 +73,49 @@ def test_text_prompts_stream_and_batch(text_client: Client, tokenizer: Any) -> N
 def test_empty_text_prompt_is_refused(text_client: Client) -> None:
     with pytest.raises(RequestError, match="empty"):
         text_client.submit("", max_new_tokens=4).result(timeout=RESULT_TIMEOUT_S)
+
+
+@needs_text_model
+def test_streamed_text_deltas_add_up_to_the_text(text_client: Client, tokenizer: Any) -> None:
+    job = text_client.submit(PROMPTS[1], max_new_tokens=40, ignore_eos=True)
+    deltas = list(job.deltas(timeout=RESULT_TIMEOUT_S))
+    result = job.result(timeout=RESULT_TIMEOUT_S)
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert "".join(d.text for d in deltas) == result.text
+    assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert deltas[-1].finish_reason == "length"
+
+
+@needs_text_model
+def test_a_stop_string_ends_the_job_and_is_not_returned(text_client: Client) -> None:
+    reference = text_client.submit(PROMPTS[0], max_new_tokens=48, ignore_eos=True).result(
+        timeout=RESULT_TIMEOUT_S
+    )
+    assert reference.text is not None and len(reference.text) > 12
+    # A stop string that starts in the middle of the generated text, spanning tokens.
+    stop = reference.text[8:12]
+    start = reference.text.index(stop)
+    job = text_client.submit(PROMPTS[0], max_new_tokens=48, ignore_eos=True, stop=[stop, "zzzz"])
+    streamed = "".join(d.text for d in job.deltas(timeout=RESULT_TIMEOUT_S))
+    result = job.result(timeout=RESULT_TIMEOUT_S)
+    assert (result.finish_reason, result.stop_reason) == ("stop", stop)
+    assert result.text == streamed == reference.text[:start]
+    # The tokens go as far as the one that completed the match, and agree with the reference.
+    assert result.token_ids == reference.token_ids[: len(result.token_ids)]
+    assert len(result.token_ids) < 48
+
+
+@needs_text_model
+def test_n_samples_of_one_prompt(text_client: Client) -> None:
+    job = text_client.submit(PROMPTS[2], max_new_tokens=12, n=3, temperature=1.0, seed=5)
+    results = job.results(timeout=RESULT_TIMEOUT_S)
+    assert [r.index for r in results] == [0, 1, 2]
+    assert len({tuple(r.token_ids) for r in results}) > 1  # independent samples
+    again = text_client.submit(PROMPTS[2], max_new_tokens=12, n=3, temperature=1.0, seed=5)
+    assert [r.token_ids for r in again.results(timeout=RESULT_TIMEOUT_S)] == [
+        r.token_ids for r in results
+    ]  # seeded: the same samples again
+    single = text_client.submit(PROMPTS[2], max_new_tokens=12, temperature=1.0, seed=5)
+    assert single.result(timeout=RESULT_TIMEOUT_S).token_ids == results[0].token_ids
+    with pytest.raises(ValueError, match="results"):
+        job.result(timeout=1)

@@ -1,0 +1,155 @@
+"""Token ids to text as they come, and the stop strings matched in that text.
+
+A byte-level BPE token can hold part of a character (a UTF-8 sequence split over tokens), and
+SentencePiece tokens change how the previous one reads (a leading space); decoding each token
+alone gets both wrong. With a fast tokenizer the text comes from ``tokenizers``'
+``DecodeStream``, which holds back incomplete characters; other tokenizers decode a window of
+recent tokens and keep what the newest token added, the way transformers' streamers do.
+
+A sample's text is the concatenation of what it streamed: the tokenizer's whole-sequence
+clean-up (``clean_up_tokenization_spaces``) is not applied, as in vLLM, so streamed and final
+text never disagree. With stop strings, text that a later match could still cut is held
+back (up to the longest stop string's length minus one character), so nothing streamed is
+ever retracted; the matched stop string and everything after it is never returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class _TokenStream(Protocol):
+    def step(self, token_id: int) -> str:
+        """The text the token adds; "" while it completes no character."""
+        ...
+
+    def flush(self) -> str:
+        """What the tokens held back read as now that no more come (a character cut short
+        reads as U+FFFD, as ``decode`` has it)."""
+        ...
+
+
+# Tokens decoded before held-back ones when flushing, for how the held-back ones read.
+_FLUSH_CONTEXT = 4
+
+
+class _FastStream:
+    def __init__(self, backend: Any) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._recent: list[int] = []  # the last tokens that added text
+        self._held: list[int] = []  # tokens since, which added none yet
+
+    def step(self, token_id: int) -> str:
+        piece = self._stream.step(self._backend, token_id) or ""
+        if piece:
+            self._recent = [*self._recent[-(_FLUSH_CONTEXT - 1) :], token_id]
+            self._held = []
+        else:
+            self._held.append(token_id)
+        return piece
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        decode = self._backend.decode
+        before = decode(self._recent, skip_special_tokens=True)
+        after = decode(self._recent + self._held, skip_special_tokens=True)
+        return after[len(before) :] if after.startswith(before) else ""
+
+
+class _WindowStream:
+    """For tokenizers without a Rust backend: decode the tokens since the last complete
+    character together with those before it, keep what the new ones added."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # the window's first token: context for how the next ones read
+        self._read = 0  # tokens up to here are in the text already
+
+    def step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before, now = self._window()
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""  # an incomplete character, or a special token
+        self._prefix, self._read = self._read, len(self._ids)
+        return now[len(before) :]
+
+    def flush(self) -> str:
+        before, now = self._window()
+        return now[len(before) :] if now.startswith(before) else ""
+
+    def _window(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        return before, decode(self._ids[self._prefix :], skip_special_tokens=True)
+
+
+@dataclass
+class SampleText:
+    """One sample's text so far and how much of it was released to the client."""
+
+    stream: _TokenStream
+    stop: tuple[str, ...]
+    text: str = ""
+    released: int = 0  # characters of ``text`` streamed
+    stopped_by: str | None = None
+    _hold: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the text now safe to stream. A stop string match cuts the
+        text where it starts and sets ``stopped_by``; nothing is added after that."""
+        if self.stopped_by is not None:
+            return ""
+        piece = self.stream.step(token_id)
+        if not piece:
+            return ""
+        start = max(len(self.text) - self._hold, 0)  # a match may begin in held-back text
+        self.text += piece
+        if self.stop:
+            match = _earliest_match(self.text, self.stop, start)
+            if match is not None:
+                at, self.stopped_by = match
+                self.text = self.text[:at]
+                return self.release(len(self.text))
+        return self.release(len(self.text) - self._hold)
+
+    def release(self, end: int | None = None) -> str:
+        """Stream the text up to ``end``; by default all of it, with what the stream still
+        held back: the sample is over."""
+        if end is None:
+            if self.stopped_by is None:
+                self.text += self.stream.flush()
+            end = len(self.text)
+        if end <= self.released:
+            return ""
+        delta, self.released = self.text[self.released : end], end
+        return delta
+
+
+def _earliest_match(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    found = [(at, s) for s in stops if (at := text.find(s, start)) >= 0]
+    return min(found) if found else None
+
+
+class Detokenizer:
+    """Makes each sample's text stream for one tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def sample(self, stop: tuple[str, ...]) -> SampleText:
+        stream: _TokenStream
+        if self._backend is not None:
+            stream = _FastStream(self._backend)
+        else:
+            stream = _WindowStream(self.tokenizer)
+        return SampleText(stream, stop)

@@ -1,0 +1,169 @@
+"""The scheduler's frontend with a fake socket and fake step results: jobs of several samples,
+the text stage, stop strings and prompt log-probabilities, without a model or processes."""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from cbpipe.models import EMBEDDED_MODEL_DIR
+from cbpipe.protocol.messages import (
+    Cancel,
+    Finished,
+    Message,
+    PromptLogprobs,
+    Submit,
+    Tokens,
+    decode,
+    encode,
+)
+from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from cbpipe.scheduler.block_manager import BlockManager
+from cbpipe.scheduler.core import Scheduler, StepOutput, StepPlan
+from cbpipe.scheduler.frontend import Frontend, ModelInfo
+
+CLIENT = b"client-1"
+EOS = 1
+
+
+class FakeSocket:
+    def __init__(self) -> None:
+        self.inbox: deque[list[bytes]] = deque()
+        self.sent: list[Message] = []
+
+    def recv_multipart(self, copy: bool = True) -> list[bytes]:
+        return self.inbox.popleft()
+
+    def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
+        assert parts[0] == CLIENT
+        self.sent.append(decode(parts[1]))
+
+    def of_type(self, cls: type) -> list[Any]:
+        return [m for m in self.sent if isinstance(m, cls)]
+
+
+@cache
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+
+
+def make_frontend(with_tokenizer: bool = False) -> tuple[Frontend, FakeSocket]:
+    socket = FakeSocket()
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_batch_tokens=64)
+    model = ModelInfo("fake", 2048, 256, frozenset({EOS}))
+    tok = tokenizer() if with_tokenizer else None
+    return Frontend(socket, scheduler, model, tok), socket  # type: ignore[arg-type]
+
+
+def submit(frontend: Frontend, socket: FakeSocket, request_id: int, prompt: Any, **params) -> None:
+    socket.inbox.append([CLIENT, encode(Submit(request_id, prompt, SamplingParams(**params)))])
+    frontend.receive()
+
+
+def fake_output(plan: StepPlan, tokens: dict[int, int]) -> StepOutput:
+    """Sampled ids by sample index (every sample of one job), logprob -0.5 each."""
+    ids = [tokens.get(s.req.sample_index, 7) for s in plan.seqs]
+    output = StepOutput.of_ids(ids)
+    output.sampled_logprobs[:] = -0.5
+    return output
+
+
+def streamed(socket: FakeSocket, index: int = 0) -> list[int]:
+    out: list[int] = []
+    for frame in socket.of_type(Tokens):
+        indices = frame.indices or [0] * len(frame.request_ids)
+        for i, ids in zip(indices, frame.token_ids, strict=True):
+            if i == index:
+                out += ids
+    return out
+
+
+def test_results_applied_before_publishing_are_streamed_whole() -> None:
+    """The loop applies step N+1's results before it streams step N's: a sample that N+1
+    finished still streams N+1's token before its Finished."""
+    frontend, socket = make_frontend()
+    submit(frontend, socket, 1, [5, 6], max_new_tokens=3, ignore_eos=True)
+    scheduler = frontend.scheduler
+    plans = [scheduler.schedule() for _ in range(3)]
+    updates = [
+        scheduler.update(plan, fake_output(plan, {0: 10 + i})) for i, plan in enumerate(plans)
+    ]
+    for step_updates in updates:
+        frontend.publish(step_updates)
+    assert streamed(socket) == [10, 11, 12]
+    (finished,) = socket.of_type(Finished)
+    assert finished.finish_reason == "length"
+    assert socket.sent[-1] == finished
+
+
+def test_a_job_of_n_samples_streams_each_and_finishes_each() -> None:
+    frontend, socket = make_frontend()
+    submit(frontend, socket, 4, [5, 6, 7], max_new_tokens=2, ignore_eos=True, n=3, seed=9,
+           temperature=1.0)  # fmt: skip
+    reqs = list(frontend.scheduler.requests.values())
+    assert [r.sample_index for r in reqs] == [0, 1, 2]
+    assert reqs[0].seed == 9 and len({r.seed for r in reqs}) == 3  # seeded, and all differ
+    scheduler = frontend.scheduler
+    while scheduler.requests:
+        plan = scheduler.schedule()
+        frontend.publish(scheduler.update(plan, fake_output(plan, {0: 20, 1: 21, 2: 22})))
+    assert [streamed(socket, i) for i in range(3)] == [[20, 20], [21, 21], [22, 22]]
+    assert sorted(f.index for f in socket.of_type(Finished)) == [0, 1, 2]
+    assert all(f.request_id == 4 for f in socket.of_type(Finished))
+
+
+def test_cancelling_a_job_cancels_every_sample() -> None:
+    frontend, socket = make_frontend()
+    submit(frontend, socket, 1, [5, 6], max_new_tokens=50, n=2)
+    frontend.scheduler.schedule()
+    socket.inbox.append([CLIENT, encode(Cancel(1))])
+    frontend.receive()
+    assert frontend.scheduler.is_idle
+    reasons = [(f.index, f.finish_reason) for f in socket.of_type(Finished)]
+    assert sorted(reasons) == [(0, "cancelled"), (1, "cancelled")]
+    assert frontend.scheduler.blocks.num_free_blocks == 64
+
+
+def test_a_stop_string_finishes_the_sample_and_is_not_returned() -> None:
+    frontend, socket = make_frontend(with_tokenizer=True)
+    text = "Return the list of all the elements"
+    ids = tokenizer()(text, add_special_tokens=False).input_ids
+    submit(frontend, socket, 1, "Return", max_new_tokens=40, stop=("of all",), ignore_eos=True)
+    scheduler = frontend.scheduler
+    step = 0
+    while scheduler.requests:
+        plan = scheduler.schedule()
+        frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step % len(ids)]})))
+        step += 1
+    (finished,) = socket.of_type(Finished)
+    assert (finished.finish_reason, finished.stop_reason) == ("stop", "of all")
+    assert finished.text == "Return the list "
+    texts = "".join(t for frame in socket.of_type(Tokens) for t in frame.texts or [])
+    assert texts == finished.text
+    assert scheduler.is_idle and scheduler.blocks.num_free_blocks == 64
+
+
+def test_prompt_logprobs_are_sent_once_before_the_first_token() -> None:
+    frontend, socket = make_frontend()
+    submit(frontend, socket, 1, [5, 6, 7, 8], max_new_tokens=2, prompt_logprobs=2, n=2)
+    scheduler = frontend.scheduler
+    plan = scheduler.schedule()
+    assert [s.prompt_logprobs for s in plan.seqs] == [True, False]  # one sample computes them
+    output = fake_output(plan, {})
+    rows = plan.num_tokens
+    output.prompt_logprobs = -np.arange(rows, dtype=np.float32)
+    output.prompt_top_ids = np.tile(np.arange(MAX_TOP_LOGPROBS, dtype=np.int32), (rows, 1))
+    output.prompt_top_logprobs = np.full((rows, MAX_TOP_LOGPROBS), -1.0, np.float32)
+    frontend.publish(scheduler.update(plan, output))
+    plan = scheduler.schedule()
+    frontend.publish(scheduler.update(plan, fake_output(plan, {})))
+    (message,) = socket.of_type(PromptLogprobs)
+    assert message.prompt_token_ids == [5, 6, 7, 8]
+    assert message.logprobs == [0.0, -1.0, -2.0]  # rows 0-2 predict prompt tokens 1-3
+    assert message.top_ids == [[0, 1]] * 3
+    assert socket.sent.index(message) < socket.sent.index(socket.of_type(Tokens)[0])

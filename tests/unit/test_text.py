@@ -1,0 +1,91 @@
+"""The text stage: incremental detokenization and stop strings, on the embedded tokenizer."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from typing import Any
+
+import pytest
+
+from cbpipe.models import EMBEDDED_MODEL_DIR
+from cbpipe.scheduler.text import Detokenizer, SampleText
+
+TEXT = "Return the list of all the elements, héllo wörld 日本語 🎉 ok.\nNext: a line"
+
+
+@cache
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+
+
+class SlowTokenizer:
+    """The embedded tokenizer without its Rust backend: the window path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.decode = inner.decode
+
+
+def token_ids(text: str) -> list[int]:
+    return list(tokenizer()(text, add_special_tokens=False).input_ids)
+
+
+def stream_all(sample: SampleText, ids: list[int]) -> list[str]:
+    return [sample.add(t) for t in ids] + [sample.release()]
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "window"])
+def test_streamed_text_is_the_decoded_text(slow: bool) -> None:
+    detokenizer = Detokenizer(SlowTokenizer(tokenizer()) if slow else tokenizer())
+    ids = token_ids(TEXT) + [1]  # and the EOS token, which is special: no text
+    pieces = stream_all(detokenizer.sample(()), ids)
+    assert "".join(pieces) == tokenizer().decode(ids, skip_special_tokens=True) == TEXT
+    # Multi-byte characters span tokens: some tokens add nothing, none adds a broken one.
+    assert "" in pieces[:-1] and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "window"])
+def test_random_token_sequences_stream_as_they_decode(slow: bool) -> None:
+    """Random ids split characters anywhere, and leave some bytes that never complete one."""
+    rng = random.Random(0)
+    vocab = len(tokenizer())
+    detokenizer = Detokenizer(SlowTokenizer(tokenizer()) if slow else tokenizer())
+    for _ in range(50):
+        ids = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]
+        joined = "".join(stream_all(detokenizer.sample(()), ids))
+        assert joined == tokenizer().decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stop", ["wörld", "d 日", "本語 🎉", ".\nN", "ok"])
+def test_a_stop_string_ends_the_text_where_it_starts(stop: str) -> None:
+    sample = Detokenizer(tokenizer()).sample(("never there", stop))
+    streamed = []
+    for token in token_ids(TEXT):
+        streamed.append(sample.add(token))
+        if sample.stopped_by is not None:
+            break
+    streamed.append(sample.release())
+    assert sample.stopped_by == stop
+    assert "".join(streamed) == sample.text == TEXT[: TEXT.index(stop)]
+
+
+def test_text_that_a_stop_string_could_still_cut_is_held_back() -> None:
+    stop = "the elements, héllo"
+    sample = Detokenizer(tokenizer()).sample((stop,))
+    released = ""
+    for token in token_ids(TEXT):
+        released += sample.add(token)
+        if sample.stopped_by is not None:
+            break
+        # Whatever was streamed is final: it is a prefix of the text before the match.
+        assert TEXT.index(stop) >= len(released)
+    assert released + sample.release() == TEXT[: TEXT.index(stop)]
+
+
+def test_nothing_is_added_after_a_stop() -> None:
+    sample = Detokenizer(tokenizer()).sample(("list",))
+    pieces = stream_all(sample, token_ids(TEXT))
+    assert "".join(pieces) == "Return the "
+    assert sample.add(token_ids(" more")[0]) == ""
