@@ -503,6 +503,19 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(
     assert stats.kv_cache_usage == 0.0
 
 
+def test_a_client_that_gives_up_on_a_reply_frees_its_blocks(http_engine: EngineRun) -> None:
+    body = {"prompt": "Tell me", "max_tokens": 1800, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
+    with Client(http_engine.address) as client:
+        before = client.stats().num_generation_tokens
+        with pytest.raises(httpx.ReadTimeout):  # gives up long before 1800 tokens
+            httpx.post(http_engine.http_url + "/v1/completions", json=body, headers=headers,
+                       timeout=httpx.Timeout(60, read=0.5))  # fmt: skip
+    stats = wait_until_idle(http_engine.address)
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert 0 < stats.num_generation_tokens - before < 1800  # cancelled, not run to its end
+
+
 def test_bad_requests_leave_a_running_stream_alone(
     http_engine: EngineRun, http: httpx.Client
 ) -> None:

@@ -76,3 +76,25 @@ def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
     assert default.model.max_model_len == resolve_model("default").max_position_embeddings
     with pytest.raises(ValueError, match="exceeds"):
         resolve_limits(EngineConfig(model=ModelConfig(max_model_len=10**7)))
+
+
+def test_server_flags_and_the_api_key_from_the_environment() -> None:
+    import argparse
+
+    from cbpipe.env import Environment
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    args = ["--port", "0", "--api-server-count", "3", "--chat-template", "t.jinja"]
+    parsed = config.from_arguments(parser.parse_args(args))
+    assert (parsed.server.port, parsed.server.api_server_count) == (0, 3)
+    assert (parsed.server.host, parsed.server.chat_template) == ("127.0.0.1", "t.jinja")
+    assert config.EngineConfig().server.port is None  # no HTTP server unless asked
+    keyed = Environment.read({"CBPIPE_API_KEY": "sk-env"}).apply(parsed)
+    assert keyed.server.api_key == "sk-env"
+    flagged = config.from_arguments(parser.parse_args([*args, "--api-key", "sk-flag"]))
+    assert Environment.read({"CBPIPE_API_KEY": "sk-env"}).apply(flagged).server.api_key == "sk-flag"
+    assert Environment.read({}).apply(parsed).server.api_key is None
+    for bad in (["--port", "70000"], ["--api-server-count", "0"]):
+        with pytest.raises(ValueError, match=bad[0]):
+            config.from_arguments(parser.parse_args(bad)).validate()
