@@ -9,11 +9,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+from cbpipe import env
+
 DEFAULT_MODEL = "default"
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+def _opt(default: Any, help: str, *, secret: bool = False) -> Any:
+    """A setting and its flag's help; a secret one stays out of ``repr`` (and logs)."""
+    return field(default=default, repr=not secret, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,14 @@ class SchedulerConfig:
     )
     trace: str | None = _opt(
         None, "write a Chrome/Perfetto trace of every step's CPU phases and GPU span here"
+    )
+    step_timeout_s: float = _opt(
+        10.0,
+        "a step the worker has not finished after this long, or after 20 times the slowest "
+        "recent step if that is longer, fails the engine (a hung device)",
+    )
+    max_waiting_requests: int = _opt(
+        65536, "requests queued beyond this are refused as busy (clients get EngineBusy)"
     )
 
     @property
@@ -114,9 +125,6 @@ class ServerConfig:
     )
     host: str = _opt("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)")
     api_server_count: int = _opt(1, "HTTP server processes, sharing the port")
-    api_key: str | None = _opt(
-        None, "require 'Authorization: Bearer KEY' on /v1/ (default: $CBPIPE_API_KEY, if set)"
-    )
     served_model_name: str | None = _opt(
         None, "the model's name in the HTTP API; default: the --model value"
     )
@@ -135,8 +143,21 @@ class EngineConfig:
     address: str | None = _opt(
         None, "client address (zmq, e.g. tcp://127.0.0.1:5555); default: a new ipc:// path"
     )
+    allow_remote: bool = _opt(
+        False,
+        "let --address listen beyond this host (needs --api-key: it encrypts the traffic and "
+        "authenticates both ends)",
+    )
+    api_key: str | None = _opt(
+        None, "the key clients must present (default: $CBPIPE_API_KEY)", secret=True
+    )
     log_level: Literal["debug", "info", "warning", "error"] = _opt("warning", "log verbosity")
     ready_timeout_s: float = _opt(600.0, "how long to wait for the processes to start")
+    liveness_timeout_s: float = _opt(
+        10.0,
+        "a process whose heartbeat is older than this is declared stuck: the engine fails its "
+        "jobs and stops",
+    )
 
     def validate(self) -> None:
         s, c = self.scheduler, self.cache
@@ -156,6 +177,9 @@ class EngineConfig:
                 "its own slot and CUDA graphs)",
             ),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
+            (s.step_timeout_s > 0, "--step-timeout-s must be > 0"),
+            (s.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1"),
+            (self.liveness_timeout_s > 0, "--liveness-timeout-s must be > 0"),
             (c.block_size >= 1, "--block-size must be >= 1"),
             (c.num_blocks is None or c.num_blocks >= 1, "--num-blocks must be >= 1"),
             (0 < c.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction must be in (0, 1]"),
@@ -172,6 +196,29 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_address()
+
+    def _check_address(self) -> None:
+        from cbpipe.protocol.security import is_local_address
+
+        listening = []
+        if self.address is not None and not is_local_address(self.address):
+            listening.append(f"--address {self.address}")
+        host = self.server.host
+        if self.server.port is not None and not is_local_address(
+            f"tcp://[{host}]:1" if ":" in host else f"tcp://{host}:1"
+        ):
+            listening.append(f"--host {host}")
+        if not listening:
+            return
+        if not self.allow_remote:
+            raise ValueError(
+                f"{' and '.join(listening)} listens beyond this host, where anyone who can "
+                "reach it could use the engine: pass --allow-remote and --api-key to serve "
+                "other machines (README: serving other machines)"
+            )
+        if not self.api_key:
+            raise ValueError("--allow-remote needs --api-key (or CBPIPE_API_KEY)")
 
 
 # --- flags from fields ----------------------------------------------------------------------
@@ -213,7 +260,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_arguments(args: argparse.Namespace) -> EngineConfig:
     values = vars(args)
-    return _build(EngineConfig, values, ())
+    config = _build(EngineConfig, values, ())
+    if config.api_key is None and (key := env.api_key()) is not None:
+        config = dataclasses.replace(config, api_key=key)
+    return config
 
 
 def _build(cls: type, values: dict[str, Any], prefix: tuple[str, ...]) -> Any:

@@ -11,6 +11,7 @@ folder of ipc sockets. It creates both before the children start and removes bot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -31,11 +32,12 @@ from types import FrameType
 
 from cbpipe import config as config_module
 from cbpipe.config import EngineConfig
-from cbpipe.env import Environment
+from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import EngineAddresses, RunSpec
+from cbpipe.protocol.liveness import HeartbeatTable
 from cbpipe.protocol.shm import (
     create_segment,
     new_segment_name,
@@ -63,7 +65,9 @@ class ChildSpec:
     ``after``: children that must be ready before this one starts. ``stopped_by``: the child
     that tells this one to stop (the scheduler sends the worker a shutdown message), so the
     launcher gives it a moment after stopping that one before signalling it. Children stop
-    in the reverse of their order in the list.
+    in the reverse of their order in the list. Every child stamps its heartbeat from its main
+    loop once it is ready (``protocol/liveness.py``); the launcher ends the run when one goes
+    stale.
     """
 
     name: str
@@ -71,6 +75,7 @@ class ChildSpec:
     args: tuple[object, ...] = ()
     after: tuple[str, ...] = ()
     stopped_by: str | None = None
+    watched_by: str | None = None  # the child that notices first when this one is stuck
 
 
 def engine_children(
@@ -84,7 +89,7 @@ def engine_children(
     # The scheduler waits for the worker's handshake itself, so both start at once: the
     # worker's model loading is most of start-up.
     children = [
-        ChildSpec("worker", worker_main, stopped_by="scheduler"),
+        ChildSpec("worker", worker_main, stopped_by="scheduler", watched_by="scheduler"),
         ChildSpec("scheduler", scheduler_main),
     ]
     if http_socket is not None:
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Serve a Hugging Face causal LM with asynchronous continuous batching.",
     )
     config_module.add_arguments(parser)
-    config = Environment.read().apply(config_module.from_arguments(parser.parse_args(argv)))
+    config = config_module.from_arguments(parser.parse_args(argv))
     try:
         config.validate()
     except ValueError as exc:
@@ -167,10 +172,12 @@ class Launcher:
                   file=sys.stderr)  # fmt: skip
             return 2
         started = time.monotonic()
-        run_dir = tempfile.mkdtemp(prefix="cbpipe-")
+        remove_dead_launches()
+        run_dir = tempfile.mkdtemp(prefix=run_dir_prefix())
         segment = create_segment(new_segment_name(), layout.segment_nbytes)
         children: dict[str, mp.process.BaseProcess] = {}
         specs = engine_children(self.config, http_socket)
+        heartbeats: HeartbeatTable | None = None
         try:
             spec = RunSpec(
                 self.config,
@@ -180,13 +187,16 @@ class Launcher:
                 layout.num_slots,
                 launcher_pid=os.getpid(),
                 run_dir=run_dir,
+                process_names=tuple(child.name for child in specs),
             )
+            assert segment.buf is not None
+            heartbeats = spec.heartbeats(segment.buf)
             self._install_signal_handlers()
             details = self._start_children(spec, specs, children)
             if self.stop_requested:
                 return 0
             print(_ready_line(spec, children, details, time.monotonic() - started), flush=True)
-            return self._watch(children)
+            return self._watch(specs, children, heartbeats)
         except LaunchError as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)
             return 1
@@ -194,6 +204,8 @@ class Launcher:
             _stop(specs, children)
             if http_socket is not None:
                 http_socket.close()
+            if heartbeats is not None:
+                heartbeats.close()
             remove_segment(segment)
             shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -245,8 +257,15 @@ class Launcher:
                 del waiting[name]
         return ready
 
-    def _watch(self, children: dict[str, mp.process.BaseProcess]) -> int:
+    def _watch(
+        self,
+        specs: list[ChildSpec],
+        children: dict[str, mp.process.BaseProcess],
+        heartbeats: HeartbeatTable,
+    ) -> int:
+        """Until a signal: a child that exits, or whose heartbeat goes stale, ends the run."""
         sentinels = {p.sentinel: name for name, p in children.items()}
+        timeout_s = self.config.liveness_timeout_s
         while not self.stop_requested:
             for sentinel in mp.connection.wait(list(sentinels), timeout=0.2):
                 if self.stop_requested:
@@ -258,6 +277,19 @@ class Launcher:
                     f"cbpipe-launch: the {name} exited unexpectedly (code {code})", file=sys.stderr
                 )
                 return 1
+            for child in specs:
+                # A child that another one watches (the scheduler watches the worker) gets
+                # time to report the failure to the clients itself.
+                limit = timeout_s * (2 if child.watched_by else 1)
+                silent = heartbeats.silent_for_s(child.name)
+                if silent is not None and silent > limit and not self.stop_requested:
+                    print(
+                        f"cbpipe-launch: the {child.name} stopped responding (no heartbeat for "
+                        f"{silent:.1f} s; --liveness-timeout-s {timeout_s:g})",
+                        file=sys.stderr,
+                    )
+                    _kill(children[child.name])
+                    return 1
         log.info("stopping")
         return 0
 
@@ -329,20 +361,33 @@ def _read_status(conn: mp.connection.Connection) -> tuple[str, str]:
 
 def _stop(specs: list[ChildSpec], children: dict[str, mp.process.BaseProcess]) -> None:
     """In the reverse of the start order; a child stopped by another gets a moment to act
-    on that one's message first. Whatever is left at the end is killed."""
+    on that one's message first (unless that one is gone). Whatever is left is killed."""
     for child in reversed(specs):
         process = children.get(child.name)
         if process is None or not process.is_alive():
             continue
-        if child.stopped_by is not None:
+        stopper = children.get(child.stopped_by) if child.stopped_by else None
+        if stopper is not None and stopper.exitcode == 0:
             process.join(PEER_STOP_GRACE_S)
         if process.is_alive():
             process.terminate()
+            _resume(process)  # a stopped process acts on SIGTERM only once it runs
             process.join(STOP_TIMEOUT_S)
     for process in children.values():
         if process.is_alive():
-            process.kill()
-            process.join()
+            _kill(process)
+
+
+def _resume(process: mp.process.BaseProcess) -> None:
+    with contextlib.suppress(ProcessLookupError, TypeError):
+        os.kill(process.pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+
+def _kill(process: mp.process.BaseProcess) -> None:
+    """SIGKILL, which a stopped process gets too, and reap."""
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    process.join()
 
 
 if __name__ == "__main__":

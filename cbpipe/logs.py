@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 
 
 def setup_logging(level: str, process: str) -> None:
@@ -15,3 +17,17 @@ def setup_logging(level: str, process: str) -> None:
         # transformers and friends are chatty at info level
         for noisy in ("transformers", "urllib3", "filelock"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' weight-loading bar
+    _thread_lock_for_progress_bars()
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm guards its bars with a multiprocessing lock by default: a POSIX semaphore that a
+    child leaving through ``os._exit`` never releases, and that the resource tracker then
+    reports as leaked at every stop. The engine's processes draw bars from one thread."""
+    try:
+        import tqdm
+    except ImportError:
+        return
+    tqdm.tqdm.set_lock(threading.RLock())

@@ -22,6 +22,7 @@ import zmq.utils.monitor
 
 from cbpipe.client.client import CLOSE_LINGER_MS
 from cbpipe.client.jobs import (
+    MONITORED_EVENTS,
     Delta,
     EngineError,
     JobChange,
@@ -29,10 +30,13 @@ from cbpipe.client.jobs import (
     PromptLogprob,
     Result,
     SamplingOptions,
+    configure_client_socket,
+    connection_error,
     route_reply,
     submit_frame,
 )
 from cbpipe.protocol.messages import (
+    MAX_FRAME_BYTES,
     Cancel,
     GetStats,
     Goodbye,
@@ -155,14 +159,14 @@ class AsyncClient:
     AsyncClient.connect(address)`` or ``async with AsyncClient(address) as client``; use it
     from the event loop that connected it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None) -> None:
+        """A client of the engine at ``address`` (connect it before use); ``api_key``
+        (default ``$CBPIPE_API_KEY``) is needed for an engine that serves other machines."""
         self.address = address
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        configure_client_socket(self._socket, address, api_key)
+        self._monitor = self._socket.get_monitor_socket(MONITORED_EVENTS)
         self._socket.connect(address)
         self._jobs: dict[int, AsyncJob] = {}
         self._stats_waiters: deque[asyncio.Future[Stats]] = deque()
@@ -174,10 +178,12 @@ class AsyncClient:
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
-    async def connect(cls, address: str, *, connect_timeout: float = 30.0) -> AsyncClient:
+    async def connect(
+        cls, address: str, *, connect_timeout: float = 30.0, api_key: str | None = None
+    ) -> AsyncClient:
         """A client that the engine at ``address`` has welcomed; ``EngineError`` if no
         engine answers within ``connect_timeout`` seconds."""
-        client = cls(address)
+        client = cls(address, api_key=api_key)
         await client._start(connect_timeout)
         return client
 
@@ -229,7 +235,8 @@ class AsyncClient:
         ``RequestError`` here or from the job."""
         self._check_usable()
         request_id = next(self._ids)
-        params, frame = submit_frame(request_id, prompt, max_new_tokens, options)
+        limit = self._welcome.max_frame_bytes if self._welcome is not None else MAX_FRAME_BYTES
+        params, frame = submit_frame(request_id, prompt, max_new_tokens, options, limit)
         job = AsyncJob(request_id, params, self)
         self._jobs[request_id] = job
         self._send_nowait(frame)
@@ -322,8 +329,9 @@ class AsyncClient:
     async def _watch_connection(self) -> None:
         while True:
             event = zmq.utils.monitor.parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._fail_all(EngineError(f"lost the connection to the engine at {self.address}"))
+            error = connection_error(event["event"], self.address, self._welcome is not None)
+            if error is not None:
+                self._fail_all(error)
 
     # --- ReplySink: what route_reply hands over -----------------------------------------
 

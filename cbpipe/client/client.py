@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -21,16 +22,20 @@ import zmq
 import zmq.utils.monitor
 
 from cbpipe.client.jobs import (
+    MONITORED_EVENTS,
     Delta,
     EngineError,
     JobChange,
     JobState,
     Result,
     SamplingOptions,
+    configure_client_socket,
+    connection_error,
     route_reply,
     submit_frame,
 )
 from cbpipe.protocol.messages import (
+    MAX_FRAME_BYTES,
     Cancel,
     GetStats,
     Goodbye,
@@ -41,6 +46,8 @@ from cbpipe.protocol.messages import (
     encode,
 )
 from cbpipe.protocol.sampling import SamplingParams
+
+log = logging.getLogger("cbpipe.client")
 
 CLOSE_LINGER_MS = 200  # time to deliver the goodbye to an engine that is still there
 
@@ -115,16 +122,16 @@ class Job:
 class Client:
     """A connection to one engine. Usable from many threads, and as a context manager."""
 
-    def __init__(self, address: str, *, connect_timeout: float = 30.0) -> None:
+    def __init__(
+        self, address: str, *, connect_timeout: float = 30.0, api_key: str | None = None
+    ) -> None:
+        """Connect to the engine at ``address``; ``api_key`` (default ``$CBPIPE_API_KEY``)
+        is needed for an engine that serves other machines (``--allow-remote``)."""
         self.address = address
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        )
+        configure_client_socket(self._socket, address, api_key)
+        self._monitor = self._socket.get_monitor_socket(MONITORED_EVENTS)
         self._socket.connect(address)
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
@@ -177,7 +184,8 @@ class Client:
         ``options`` are ``SamplingParams``' fields (``temperature``, ``top_p``, ``stop``,
         ``logprobs``, ``n``, ...); ``logit_bias`` maps token ids to biases."""
         request_id = next(self._ids)
-        params, frame = submit_frame(request_id, prompt, max_new_tokens, options)
+        limit = self._welcome.max_frame_bytes if self._welcome is not None else MAX_FRAME_BYTES
+        params, frame = submit_frame(request_id, prompt, max_new_tokens, options, limit)
         job = Job(request_id, params, self)
         with self._jobs_lock:
             self._check_usable()
@@ -271,8 +279,9 @@ class Client:
             self._socket.send(self._outbox.get())
 
     def _on_monitor_event(self, event: Mapping[str, Any]) -> None:
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            self._fail_all(EngineError(f"lost the connection to the engine at {self.address}"))
+        error = connection_error(event["event"], self.address, self._welcome is not None)
+        if error is not None:
+            self._fail_all(error)
 
     # --- ReplySink: what route_reply hands over, on the I/O thread --------------------------
 

@@ -1,5 +1,5 @@
-"""What both clients share: the request options, the results, a job's state, and the
-routing of the engine's replies to jobs.
+"""What both clients share: the request options, the results, a job's state, the
+routing of the engine's replies to jobs, and the socket's set-up.
 
 ``JobState`` assembles what the engine sends for one job (tokens, text, log-probabilities,
 finishes, errors) and ``route_reply`` decides which job a frame is for; neither knows of
@@ -15,8 +15,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
+import zmq
+
+from cbpipe import env
+from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import (
-    MAX_FRAME_BYTES,
     REPLY_TYPES,
     Error,
     ErrorKind,
@@ -31,6 +34,7 @@ from cbpipe.protocol.messages import (
     encode,
 )
 from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.security import CurveKeys, uses_curve
 
 log = logging.getLogger("cbpipe.client")
 
@@ -41,6 +45,19 @@ class RequestError(ValueError):
 
 class EngineError(RuntimeError):
     """The engine failed, is gone, or never answered."""
+
+
+class EngineBusy(RuntimeError):
+    """The engine's queue was full: the job was refused for now, and may succeed later."""
+
+
+def error_for(kind: ErrorKind, message: str) -> Exception:
+    """The exception a client raises for an ``Error`` of ``kind``."""
+    return {
+        ErrorKind.REQUEST: RequestError,
+        ErrorKind.BUSY: EngineBusy,
+        ErrorKind.ENGINE: EngineError,
+    }[kind](message)
 
 
 class SamplingOptions(TypedDict, total=False):
@@ -64,6 +81,50 @@ class SamplingOptions(TypedDict, total=False):
     prompt_logprobs: int | None
     n: int
     detokenize: bool
+
+
+# Replies carry a step's tokens of many jobs: roomy, but bounded.
+CLIENT_MAXMSGSIZE = 256 * 1024 * 1024
+MONITORED_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+
+
+def configure_client_socket(socket: zmq.Socket, address: str, api_key: str | None) -> None:
+    """Options of a client's DEALER socket, before it connects: no queue limits (a job's
+    tokens must never be dropped), ZeroMQ heartbeats (an engine process that stops is noticed
+    within ``HEARTBEAT_TIMEOUT_MS``), and CURVE with the api key off this host."""
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAXMSGSIZE)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    api_key = api_key or env.api_key()
+    if api_key is not None and uses_curve(address, api_key):
+        CurveKeys.from_api_key(api_key).make_client(socket)
+
+
+def connection_error(event: int, address: str, welcomed: bool) -> EngineError | None:
+    """What a socket-monitor event means for the client's jobs, if anything."""
+    if event == zmq.EVENT_DISCONNECTED and not welcomed:
+        return EngineError(
+            f"the engine at {address} closed the connection before it answered: an engine "
+            "that serves other machines needs the client's api key (api_key=, CBPIPE_API_KEY)"
+        )
+    if event == zmq.EVENT_DISCONNECTED:
+        return EngineError(f"lost the connection to the engine at {address}")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return EngineError(f"the engine at {address} refused this client's api key")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return EngineError(
+            f"the engine at {address} and this client disagree on security: one has an api "
+            "key (--api-key, CBPIPE_API_KEY) and the other not"
+        )
+    return None
 
 
 def make_params(max_new_tokens: int, options: SamplingOptions) -> SamplingParams:
@@ -99,16 +160,20 @@ def prompt_payload(prompt: object) -> str | list[int]:
 
 
 def submit_frame(
-    request_id: int, prompt: object, max_new_tokens: int, options: SamplingOptions
+    request_id: int,
+    prompt: object,
+    max_new_tokens: int,
+    options: SamplingOptions,
+    max_frame_bytes: int,
 ) -> tuple[SamplingParams, bytes]:
     """The validated parameters and the encoded ``Submit`` of one job; ``RequestError`` for a
     bad parameter or prompt, or a frame over the engine's limit."""
     params = make_params(max_new_tokens, options)
     frame = encode(Submit(request_id, prompt_payload(prompt), params))
-    if len(frame) > MAX_FRAME_BYTES:
+    if len(frame) > max_frame_bytes:
         raise RequestError(
-            f"request of {len(frame)} bytes exceeds the engine's frame "
-            f"limit of {MAX_FRAME_BYTES} bytes"
+            f"request of {len(frame)} bytes exceeds the engine's frame limit of "
+            f"{max_frame_bytes} bytes"
         )
     return params, frame
 
@@ -273,11 +338,6 @@ def route_reply(frame: bytes, sink: ReplySink) -> None:
     _ROUTES[type(message)](message, sink)
 
 
-def error_of(message: Error) -> RequestError | EngineError:
-    """The exception an ``Error`` reply stands for."""
-    return (RequestError if message.kind is ErrorKind.REQUEST else EngineError)(message.message)
-
-
 def _route_tokens(message: Tokens, sink: ReplySink) -> None:
     for entry, request_id in enumerate(message.request_ids):
         sink.update_job(
@@ -296,7 +356,7 @@ def _route_finished(message: Finished, sink: ReplySink) -> None:
 
 
 def _route_error(message: Error, sink: ReplySink) -> None:
-    error = error_of(message)
+    error = error_for(message.kind, message.message)
     if message.request_id is None or not sink.update_job(
         message.request_id, functools.partial(JobState.on_error, error=error)
     ):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from cbpipe.config import EngineConfig
+from cbpipe.protocol.liveness import HeartbeatTable
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 
 
@@ -35,7 +36,11 @@ class RunSpec:
     num_slots: int
     launcher_pid: int
     run_dir: str  # the ipc sockets' folder, removed with the run
+    process_names: tuple[str, ...]  # the children, in the order of the heartbeat table
 
     @cached_property
     def layout(self) -> SlotLayout:
         return SlotLayout.build(self.slot_limits, self.num_slots)
+
+    def heartbeats(self, buffer: memoryview) -> HeartbeatTable:
+        return HeartbeatTable(buffer, self.process_names)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 import msgpack
 
-from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.sampling import SamplingParams, safe_repr
 
 PROTOCOL_VERSION = 1
 
@@ -32,6 +32,7 @@ class ProtocolError(ValueError):
 
 class ErrorKind(enum.StrEnum):
     REQUEST = "request"  # the request was invalid; nothing else is affected
+    BUSY = "busy"  # the engine's queue is full: the request may succeed later
     ENGINE = "engine"  # the engine failed or is gone
 
 
@@ -71,6 +72,7 @@ class Welcome(Message):
     vocab_size: int
     max_model_len: int
     has_tokenizer: bool
+    max_frame_bytes: int = MAX_FRAME_BYTES  # larger frames are refused, and cost the connection
 
 
 @dataclass(frozen=True)
@@ -320,12 +322,12 @@ def decode(frame: bytes, expected: tuple[type[Message], ...] | None = None) -> M
     version = raw.pop("v", None)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"unsupported protocol version {version!r}, expected {PROTOCOL_VERSION}"
+            f"unsupported protocol version {safe_repr(version)}, expected {PROTOCOL_VERSION}"
         )
     type_name = raw.pop("type", None)
     cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
     if cls is None or (expected is not None and cls not in expected):
-        raise ProtocolError(f"unknown or unexpected message type {type_name!r}")
+        raise ProtocolError(f"unknown or unexpected message type {safe_repr(type_name)}")
     return _build(cls, raw, context=type_name)
 
 
@@ -397,7 +399,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case
     elif origin is Literal:
         if value in get_args(hint):
             return value
-        raise ProtocolError(f"{where}: must be one of {get_args(hint)}, got {value!r}")
+        raise ProtocolError(f"{where}: must be one of {get_args(hint)}, got {safe_repr(value)}")
     elif origin is tuple and get_args(hint)[-1:] != (Ellipsis,):
         args = get_args(hint)  # a fixed-length tuple: one type per position
         if isinstance(value, list) and len(value) == len(args):
@@ -408,13 +410,18 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case
     elif origin in (list, tuple):
         if isinstance(value, list):
             (item,) = get_args(hint)[:1]
+            if item is int:  # prompts and token lists: checked in one pass, not per element
+                if all(type(v) is int for v in value):
+                    return value if origin is list else tuple(value)
+                bad = next(i for i, v in enumerate(value) if type(v) is not int)
+                raise ProtocolError(f"{where}[{bad}]: expected int, got {_describe(value[bad])}")
             items = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
             return items if origin is list else tuple(items)
     elif isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
             return hint(value)
         except ValueError:
-            raise ProtocolError(f"{where}: invalid value {value!r}") from None
+            raise ProtocolError(f"{where}: invalid value {safe_repr(value)}") from None
     elif dataclasses.is_dataclass(hint):
         if isinstance(value, dict):
             return _build(hint, value, where)  # type: ignore[arg-type]
@@ -446,5 +453,4 @@ def _hint_name(hint: Any) -> str:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+    return f"{type(value).__name__} {safe_repr(value)}"

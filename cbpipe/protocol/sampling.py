@@ -8,6 +8,7 @@ and lists are bounded so that one request's share of a slot is bounded too.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,17 @@ REPETITION_PENALTY_MAX = 100.0
 # The smallest top_p and min_p whose float32 value is a usable threshold: below the smallest
 # normal float32 the value flushes towards 0, and a top_p of 0 would mask every token.
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 40, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def safe_repr(value: object) -> str:
+    """A short ``repr`` of untrusted data: bounded in depth and length, so neither a frame
+    nested a thousand deep nor a megabyte string can make an error message fail or grow."""
+    return _REPR.repr(value)
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class SamplingParams:
             if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_STRING_CHARS:
                 raise ValueError(
                     f"each stop string must be a non-empty string of at most "
-                    f"{MAX_STOP_STRING_CHARS} characters, got {text!r:.60}"
+                    f"{MAX_STOP_STRING_CHARS} characters, got {safe_repr(text)}"
                 )
         _check_bool("ignore_eos", self.ignore_eos)
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens)
@@ -140,7 +152,9 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, *, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}")
+        raise ValueError(
+            f"{name} must be an integer, got {type(value).__name__} {safe_repr(value)}"
+        )
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
@@ -149,7 +163,7 @@ def _check_float(name: str, value: object, low: float, high: float) -> None:
     """A finite number in ``[low, high]``; a float32 representation of it is what the device
     sees, and anything in range survives that (the bounds are far inside float32's range)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r:.40}")
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {safe_repr(value)}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if not low <= value <= high:

@@ -1,6 +1,7 @@
 """The byte layout of the shared-memory slots, defined once for both sides.
 
-The segment holds ``num_slots`` slots back to back. A slot has three regions, each a
+The segment holds a small heartbeat table (``liveness.py``), then ``num_slots`` slots back to
+back. A slot has three regions, each a
 dataclass below whose fields describe its arrays (dtype, capacity, meaning):
 
 - ``StepInputs``, written by the scheduler and copied host-to-device by the worker in one
@@ -30,6 +31,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 
+from cbpipe.protocol.liveness import TABLE_NBYTES
 from cbpipe.protocol.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 ALIGN = 64
@@ -279,12 +281,13 @@ class SlotLayout:
 
     @property
     def segment_nbytes(self) -> int:
-        return self.num_slots * self.slot_nbytes
+        """The heartbeat table (``liveness.TABLE_NBYTES``), then the slots."""
+        return TABLE_NBYTES + self.num_slots * self.slot_nbytes
 
     def slot_offset(self, slot: int) -> int:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-        return slot * self.slot_nbytes
+        return TABLE_NBYTES + slot * self.slot_nbytes
 
     def region(self, name: Region) -> tuple[int, int]:
         """``[start, end)`` of a region, in bytes from the start of a slot."""

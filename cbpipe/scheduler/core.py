@@ -102,7 +102,10 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
+        # Finished requests leave ``waiting`` lazily, when they reach its head: cancelling
+        # one of many queued requests must not cost a scan of the queue.
         self.waiting: deque[Request] = deque()
+        self.num_waiting = 0  # requests in ``waiting`` that are not finished
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self.tables = BlockTables(max_num_seqs)
@@ -116,6 +119,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.num_waiting += 1
 
     def cancel(self, request_id: int) -> Request | None:
         """Finish a request now and free its blocks; its rows in a step in flight are ignored."""
@@ -133,8 +137,11 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return any(self._can_schedule(r) for r in self.running) or any(
-            r.num_pending_tokens == 0 for r in self.waiting
+        """Whether ``schedule()`` can plan something now (admission takes the head of the
+        queue only, so nothing behind it counts)."""
+        head = self._first_waiting()
+        return any(self._can_schedule(r) for r in self.running) or (
+            head is not None and head.num_pending_tokens == 0
         )
 
     @property
@@ -169,24 +176,7 @@ class Scheduler:
             chosen.append((req, num_new))
             budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.num_pending_tokens:
-                break  # its last token is still on the worker; recompute starts once it is back
-            num_new = min(req.num_tokens_to_compute, budget)
-            total = req.num_computed_tokens + num_new
-            if self.blocks.num_missing_blocks(req.block_ids, total) > self.blocks.num_free_blocks:
-                break
-            self.waiting.popleft()
-            self.blocks.grow(req.block_ids, total)
-            if req.status is RequestStatus.WAITING:
-                admitted.append(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self.tables.assign(req)
-            assigned.append(req)
-            chosen.append((req, num_new))
-            budget -= num_new
+        budget = self._admit_waiting(budget, chosen, assigned, admitted)
 
         # Rows of one query token first: the worker attends to them as one decode batch.
         chosen.sort(key=lambda item: item[1] != 1)
@@ -236,16 +226,54 @@ class Scheduler:
         a stop string in its text, a cancel); finishing twice is a no-op."""
         if req.is_finished:
             return
-        req.status = status
-        if req in self.running:
+        if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.tables.release(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        else:  # waiting: it leaves the queue when it reaches the head
+            self.num_waiting -= 1
+        req.status = status
         self.blocks.free(req.block_ids)
         self.requests.pop(req.request_id, None)
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        chosen: list[tuple[Request, int]],
+        assigned: list[Request],
+        admitted: list[Request],
+    ) -> int:
+        """Start queued requests, head first, while the budget, the sequence limit and the
+        free blocks allow; returns the budget left."""
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._first_waiting()
+            if req is None:
+                break
+            if req.num_pending_tokens:
+                break  # its last token is still on the worker; recompute starts once it is back
+            num_new = min(req.num_tokens_to_compute, budget)
+            total = req.num_computed_tokens + num_new
+            if self.blocks.num_missing_blocks(req.block_ids, total) > self.blocks.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.num_waiting -= 1
+            self.blocks.grow(req.block_ids, total)
+            if req.status is RequestStatus.WAITING:
+                admitted.append(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.tables.assign(req)
+            assigned.append(req)
+            chosen.append((req, num_new))
+            budget -= num_new
+        return budget
+
+    def _first_waiting(self) -> Request | None:
+        """The head of the queue, once the finished requests before it are dropped."""
+        while self.waiting and self.waiting[0].is_finished:
+            self.waiting.popleft()
+        return self.waiting[0] if self.waiting else None
 
     def _can_schedule(self, req: Request, num_to_compute: int | None = None) -> bool:
         if num_to_compute is None:
@@ -281,6 +309,7 @@ class Scheduler:
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
+        self.num_waiting += 1
 
     def _commit(self, req: Request, num_new: int, step: int, seq_index: int) -> ScheduledSeq:
         start = req.num_computed_tokens

@@ -24,6 +24,7 @@ from typing import Any, cast
 import zmq
 
 from cbpipe.protocol.messages import (
+    MAX_FRAME_BYTES,
     Cancel,
     Error,
     ErrorKind,
@@ -43,9 +44,10 @@ from cbpipe.protocol.messages import (
     encode,
     request_id_of,
 )
-from cbpipe.protocol.sampling import MAX_SEED, SamplingParams
+from cbpipe.protocol.sampling import MAX_SEED, SamplingParams, safe_repr
 from cbpipe.protocol.slots import MAX_EOS_TOKEN_IDS
 from cbpipe.scheduler.core import RequestUpdate, Scheduler
+from cbpipe.scheduler.prompts import PromptTokenizer, PromptTooLong
 from cbpipe.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from cbpipe.scheduler.text import Detokenizer, SampleText
 
@@ -98,14 +100,24 @@ class Frontend:
         scheduler: Scheduler,
         model: ModelInfo,
         tokenizer: Any | None,
+        *,
+        max_waiting_requests: int = 65536,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         self.socket = socket
+        self.max_frame_bytes = max_frame_bytes
         self.scheduler = scheduler
         self.model = model
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.prompts = (
+            PromptTokenizer(tokenizer, model.max_total_tokens) if tokenizer is not None else None
+        )
+        self.max_waiting_requests = max_waiting_requests
         self.failure: str | None = None  # set once the engine cannot serve any more
         self._jobs: dict[Origin, Job] = {}
+        self._tokenizing: dict[Origin, Submit] = {}  # text prompts on the tokenizer thread
+        self._gone: set[bytes] = set()  # clients whose connections are gone
         self._job_of: dict[int, Job] = {}  # by engine id
         self._next_id = 0
         self._handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
@@ -123,7 +135,10 @@ class Frontend:
     # --- inbound ------------------------------------------------------------------------
 
     def receive(self) -> None:
-        """Handle one multipart frame waiting on the socket."""
+        """Handle one multipart frame waiting on the socket.
+
+        Each frame is handled inside its own error boundary: whatever goes wrong with one
+        client's message ends that message with an error reply, never the engine."""
         parts = self.socket.recv_multipart(copy=True)
         if len(parts) != 2:
             log.debug("dropped a message of %d parts", len(parts))
@@ -134,7 +149,20 @@ class Frontend:
         except ProtocolError as exc:
             self._send(identity, Error(request_id_of(frame), ErrorKind.REQUEST, str(exc)))
             return
-        self._handlers[type(message)](identity, message)
+        try:
+            self._handlers[type(message)](identity, message)
+        except Exception as exc:
+            log.exception("failed to handle a %s from client %s", message.TYPE, identity.hex())
+            request_id = getattr(message, "request_id", None)
+            self._send(
+                identity,
+                Error(
+                    request_id if isinstance(request_id, int) else None,
+                    ErrorKind.REQUEST,
+                    f"the engine failed to handle this {message.TYPE}: "
+                    f"{type(exc).__name__}: {safe_repr(str(exc))}",
+                ),
+            )
 
     def _on_hello(self, identity: bytes, message: Message) -> None:
         self._send(
@@ -144,6 +172,7 @@ class Frontend:
                 self.model.vocab_size,
                 self.model.max_total_tokens,
                 self.tokenizer is not None,
+                self.max_frame_bytes,
             ),
         )
 
@@ -154,10 +183,51 @@ class Frontend:
             self._send(identity, Error(message.request_id, ErrorKind.ENGINE, self.failure))
             return
         try:
-            reqs = self._make_requests(origin, message)
+            if origin in self._jobs or origin in self._tokenizing:
+                raise RequestRejected(f"request_id {message.request_id} is already in use")
+            self._check_params(message.params)
+            queued = self.scheduler.num_waiting + len(self._tokenizing)
+            if queued >= self.max_waiting_requests:
+                self._send(
+                    identity,
+                    Error(
+                        message.request_id,
+                        ErrorKind.BUSY,
+                        f"the engine is busy: {queued} requests are waiting; try again later",
+                    ),
+                )
+                return
+            if isinstance(message.prompt, str):
+                if self.prompts is None:
+                    raise RequestRejected(
+                        f"model {self.model.name} has no tokenizer: send the prompt as token ids"
+                    )
+                self._tokenizing[origin] = message
+                self.prompts.submit(origin, message.prompt)
+                return
+            self._admit(origin, message, self._checked_ids(message.prompt))
         except RequestRejected as exc:
             self._send(identity, Error(message.request_id, ErrorKind.REQUEST, str(exc)))
-            return
+
+    def on_prompts_tokenized(self) -> None:
+        """Admit the jobs whose text prompts the tokenizer thread finished."""
+        assert self.prompts is not None
+        for key, result in self.prompts.finished():
+            assert isinstance(key, Origin)
+            message = self._tokenizing.pop(key, None)
+            if message is None:
+                continue  # cancelled while it was tokenized
+            try:
+                if isinstance(result, PromptTooLong):
+                    raise RequestRejected(self._too_long(result.args[0]))
+                if isinstance(result, Exception):
+                    raise RequestRejected(f"the prompt could not be tokenized: {result}")
+                self._admit(key, message, result)
+            except RequestRejected as exc:
+                self._send(key.identity, Error(message.request_id, ErrorKind.REQUEST, str(exc)))
+
+    def _admit(self, origin: Origin, message: Submit, prompt: list[int]) -> None:
+        reqs = self._make_requests(message, prompt)
         job = Job(origin, [r.request_id for r in reqs], {r.request_id for r in reqs})
         self._jobs[origin] = job
         arrival_ns = time.perf_counter_ns()
@@ -171,7 +241,13 @@ class Frontend:
 
     def _on_cancel(self, identity: bytes, message: Message) -> None:
         assert isinstance(message, Cancel)
-        job = self._jobs.get(Origin(identity, message.request_id))
+        origin = Origin(identity, message.request_id)
+        pending = self._tokenizing.pop(origin, None)
+        if pending is not None:  # not a request yet: its samples end here
+            for index in range(pending.params.n):
+                self._send(identity, Finished(message.request_id, "cancelled", None, 0, index))
+            return
+        job = self._jobs.get(origin)
         if job is None:
             return  # already finished: the client has or will get its Finished
         self._cancel(job)
@@ -183,7 +259,7 @@ class Frontend:
             identity,
             Stats(
                 num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting),
+                num_waiting=scheduler.num_waiting + len(self._tokenizing),
                 kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks,
                 num_prompt_tokens=self.num_prompt_tokens,
                 num_generation_tokens=self.num_generation_tokens,
@@ -194,11 +270,16 @@ class Frontend:
 
     def _on_goodbye(self, identity: bytes, message: Message) -> None:
         """The client is closing and nobody will read these jobs' tokens: stop them now."""
+        self._drop_client(identity, "closed")
+
+    def _drop_client(self, identity: bytes, why: str) -> None:
+        for origin in [o for o in self._tokenizing if o.identity == identity]:
+            del self._tokenizing[origin]
         orphans = [job for origin, job in self._jobs.items() if origin.identity == identity]
         for job in orphans:
             self._cancel(job)
         if orphans:
-            log.info("client %s closed: cancelled %d jobs", identity.hex(), len(orphans))
+            log.info("client %s %s: cancelled %d jobs", identity.hex(), why, len(orphans))
 
     def _cancel(self, job: Job) -> None:
         for engine_id in list(job.open):
@@ -206,10 +287,7 @@ class Frontend:
             if req is not None:
                 self._finish(req)
 
-    def _make_requests(self, origin: Origin, message: Submit) -> list[Request]:
-        if origin in self._jobs:
-            raise RequestRejected(f"request_id {message.request_id} is already in use")
-        params = message.params
+    def _check_params(self, params: SamplingParams) -> None:
         try:
             params.validate()
         except ValueError as exc:
@@ -219,13 +297,21 @@ class Frontend:
             raise RequestRejected(
                 f"model {self.model.name} has no tokenizer: stop strings cannot be matched"
             )
-        prompt = self._prompt_tokens(message.prompt)
+
+    def _too_long(self, num_tokens: int) -> str:
+        return (
+            f"prompt of {num_tokens} tokens is too long: this engine holds at most "
+            f"{self.model.max_total_tokens} tokens per sequence, prompt and output together"
+        )
+
+    def _make_requests(self, message: Submit, prompt: list[int]) -> list[Request]:
+        """The job's samples as requests, for a checked prompt."""
+        params = message.params
+        if not prompt:
+            raise RequestRejected("prompt is empty")
         limit = self.model.max_total_tokens
         if len(prompt) >= limit:
-            raise RequestRejected(
-                f"prompt of {len(prompt)} tokens is too long: this engine holds at most "
-                f"{limit} tokens per sequence, prompt and output together"
-            )
+            raise RequestRejected(self._too_long(len(prompt)))
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         reqs = []
         for index in range(params.n):
@@ -255,24 +341,12 @@ class Frontend:
             if bad is not None:
                 raise RequestRejected(f"{what} {bad} is outside the vocabulary [0, {vocab})")
 
-    def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected(
-                    f"model {self.model.name} has no tokenizer: send the prompt as token ids"
-                )
-            tokens = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
-        else:
-            tokens = prompt
-            vocab = self.model.vocab_size
-            bad = next((t for t in tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestRejected(
-                    f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
-                )
-        if not tokens:
-            raise RequestRejected("prompt is empty")
-        return tokens
+    def _checked_ids(self, prompt: list[int]) -> list[int]:
+        vocab = self.model.vocab_size
+        if prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return prompt
 
     # --- outbound -----------------------------------------------------------------------
 
@@ -347,6 +421,9 @@ class Frontend:
         """The engine cannot go on: every job gets an engine error, and so will new ones."""
         self.failure = reason
         self.scheduler.fail_all()
+        for origin, message in self._tokenizing.items():
+            self._send(origin.identity, Error(message.request_id, ErrorKind.ENGINE, reason))
+        self._tokenizing.clear()
         for job in self._jobs.values():
             self._send(
                 job.origin.identity, Error(job.origin.client_request_id, ErrorKind.ENGINE, reason)
@@ -359,6 +436,17 @@ class Frontend:
             self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("client %s is not reading; dropped a %s", identity.hex(), message.TYPE)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            # The client is gone (it died, or its connection timed out): nobody will read
+            # its jobs' tokens.
+            self._gone.add(identity)
+
+    def cancel_gone_clients(self) -> None:
+        """Cancel the jobs of clients whose connections are gone (found by failed sends)."""
+        while self._gone:
+            self._drop_client(self._gone.pop(), "is gone")
 
 
 def _sample_seed(seed: int, index: int) -> int:

@@ -21,7 +21,16 @@ import zmq
 import zmq.utils.monitor
 
 from cbpipe.collector import CollectorPacing
-from cbpipe.protocol.messages import Shutdown, Step, StepDone, WorkerFailed, decode, encode
+from cbpipe.protocol.liveness import HeartbeatTable
+from cbpipe.protocol.messages import (
+    ProtocolError,
+    Shutdown,
+    Step,
+    StepDone,
+    WorkerFailed,
+    decode,
+    encode,
+)
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend
 from cbpipe.scheduler.packer import BatchPacker
@@ -30,10 +39,46 @@ from cbpipe.trace import StepRecord
 log = logging.getLogger("cbpipe.scheduler")
 
 POLL_MS = 100
+# A step may take this many times the slowest recent step before the worker is declared
+# stuck (and never less than the configured minimum): generous, since a stuck worker is rare
+# and a false alarm ends the engine.
+STEP_DEADLINE_FACTOR = 20.0
+_RECENT_STEPS = 64
 
 
 class WorkerLost(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """How long the worker may be silent: its heartbeat, and a step in flight (before any
+    step came back, and after)."""
+
+    heartbeat_timeout_s: float
+    min_step_timeout_s: float
+    first_step_timeout_s: float
+
+
+class StepDeadline:
+    """When a step in flight counts as lost: ``STEP_DEADLINE_FACTOR`` times the slowest of
+    the last steps' round trips, and at least the configured minimum. Until a step has come
+    back there is nothing to go by (a large model on a CPU takes minutes a step), so the
+    first wait is as long as start-up may be."""
+
+    def __init__(self, min_timeout_s: float, first_timeout_s: float) -> None:
+        self.min_timeout_s = min_timeout_s
+        self.first_timeout_s = first_timeout_s
+        self._recent_s: deque[float] = deque(maxlen=_RECENT_STEPS)
+
+    def record(self, round_trip_s: float) -> None:
+        self._recent_s.append(round_trip_s)
+
+    @property
+    def timeout_s(self) -> float:
+        if not self._recent_s:
+            return max(self.min_timeout_s, self.first_timeout_s)
+        return max(self.min_timeout_s, STEP_DEADLINE_FACTOR * max(self._recent_s))
 
 
 @dataclass
@@ -69,6 +114,8 @@ class EngineLoop:
         worker_monitor: zmq.Socket,
         max_in_flight: int,
         pack_delay_s: float,
+        heartbeats: HeartbeatTable,
+        liveness: Liveness,
         record_steps: bool = False,
     ) -> None:
         self.scheduler = scheduler
@@ -96,9 +143,16 @@ class EngineLoop:
         # Set when the plan came back empty (every runnable request waits on the step in
         # flight); cleared by anything that can change that.
         self._blocked = False
+        self.heartbeats = heartbeats
+        self.beat = heartbeats.beater("scheduler")
+        self.liveness = liveness
+        self.deadline = StepDeadline(liveness.min_step_timeout_s, liveness.first_step_timeout_s)
         self.poller = zmq.Poller()
         for socket in (client_socket, results_socket, worker_monitor):
             self.poller.register(socket, zmq.POLLIN)
+        self.prompts_fd = frontend.prompts.fileno() if frontend.prompts is not None else None
+        if self.prompts_fd is not None:
+            self.poller.register(self.prompts_fd, zmq.POLLIN)
 
     def run(self) -> None:
         """Serve until ``stop()``; raises ``WorkerLost`` if the worker goes away.
@@ -108,6 +162,8 @@ class EngineLoop:
         collections wait for the same moment, or for the engine to go idle (``collector``).
         """
         while not self.stopping:
+            self.beat()
+            self._check_worker()
             if self._can_launch():
                 self._launch()
                 self._publish()
@@ -169,10 +225,32 @@ class EngineLoop:
             (sent_ns - schedule_start_ns) / 1e6,
         )
 
+    def _check_worker(self) -> None:
+        """Raise ``WorkerLost`` if the worker's heartbeat or its oldest step is overdue."""
+        silent = self.heartbeats.silent_for_s("worker")
+        limit = self.liveness.heartbeat_timeout_s
+        if silent is not None and silent > limit:
+            raise WorkerLost(
+                f"the worker stopped responding: no heartbeat for {silent:.1f} s "
+                f"(--liveness-timeout-s {limit:g})"
+            )
+        if self.in_flight:
+            oldest = self.in_flight[0]
+            waited_s = (time.perf_counter_ns() - oldest.sent_ns) / 1e9
+            if waited_s > self.deadline.timeout_s:
+                raise WorkerLost(
+                    f"the worker has not finished step {oldest.plan.step} after {waited_s:.1f} s "
+                    f"(deadline {self.deadline.timeout_s:.1f} s: --step-timeout-s "
+                    f"{self.deadline.min_timeout_s:g}, or {STEP_DEADLINE_FACTOR:g} times the "
+                    "slowest recent step)"
+                )
+
     def _poll(self, timeout_ms: int) -> None:
         events = dict(self.poller.poll(timeout_ms))
         if events:
             self._blocked = False
+        if self.prompts_fd is not None and self.prompts_fd in events:
+            self.frontend.on_prompts_tokenized()
         if self.worker_monitor in events:
             self._on_monitor_event()
         if self.results_socket in events:
@@ -186,7 +264,13 @@ class EngineLoop:
                 self.frontend.receive()
 
     def _on_result(self, frame: bytes) -> None:
-        message = decode(frame, expected=(StepDone, WorkerFailed))
+        try:
+            message = decode(frame, expected=(StepDone, WorkerFailed))
+        except ProtocolError as exc:
+            # Not the worker's (it only sends well-formed frames): whoever sent it, it says
+            # nothing about the steps in flight.
+            log.warning("ignored a frame on the worker's results socket: %s", exc)
+            return
         if isinstance(message, WorkerFailed):
             raise WorkerLost(f"worker failed: {message.message}")
         assert isinstance(message, StepDone)
@@ -194,6 +278,7 @@ class EngineLoop:
             raise WorkerLost(f"worker reported step {message.step} out of order")
         done_recv_ns = time.perf_counter_ns()
         done = self.in_flight.popleft()
+        self.deadline.record((done_recv_ns - done.sent_ns) / 1e9)
         output = self.packer.read_output(done.slot, done.step)
         updates = self.scheduler.update(done.plan, output)
         update_end_ns = time.perf_counter_ns()
@@ -213,6 +298,7 @@ class EngineLoop:
             if self.records is not None:
                 self.records.append(_record(applied, publish_start_ns, time.perf_counter_ns()))
         self.unpublished.clear()
+        self.frontend.cancel_gone_clients()
 
     def _on_monitor_event(self) -> None:
         event = zmq.utils.monitor.recv_monitor_message(self.worker_monitor)

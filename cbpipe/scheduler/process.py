@@ -10,27 +10,46 @@ from types import FrameType
 
 import zmq
 import zmq.utils.monitor
+from zmq.auth.thread import ThreadAuthenticator
 
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import RunSpec
-from cbpipe.protocol.messages import WorkerFailed, WorkerReady, decode
+from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from cbpipe.protocol.messages import MAX_FRAME_BYTES, WorkerFailed, WorkerReady, decode
+from cbpipe.protocol.security import CurveKeys, uses_curve
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
-from cbpipe.scheduler.loop import EngineLoop, WorkerLost
+from cbpipe.scheduler.loop import EngineLoop, Liveness, WorkerLost
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.trace import write_chrome_trace
 
 log = logging.getLogger("cbpipe.scheduler")
 
-# Roomy: thousands of jobs stream tokens at once, and a dropped frame is a lost token.
-CLIENT_HWM = 1_000_000
+# Send side roomy: thousands of jobs stream tokens at once, and a dropped frame is a lost
+# token. Receive side bounded: a client that floods the engine is slowed down by ZeroMQ's
+# back-pressure instead of queueing without end.
+CLIENT_SNDHWM = 1_000_000
+CLIENT_RCVHWM = 4096
+# A frame must hold a prompt of the longest sequence served: token ids take up to 9 bytes
+# each in msgpack, text up to a few bytes per character and a few characters per token.
+_FRAME_BASE = 64 * 1024
+_FRAME_PER_TOKEN = 64
+# Between the worker and the scheduler: a few hundred bytes a message.
+WORKER_MAXMSGSIZE = 64 * 1024
+
+
+def frame_limit(max_model_len: int) -> int:
+    return min(MAX_FRAME_BYTES, _FRAME_BASE + _FRAME_PER_TOKEN * max_model_len)
 
 
 def scheduler_main(spec: RunSpec, ready: Connection) -> None:
-    """Entry point of the scheduler process (started by the launcher)."""
+    """Entry point of the scheduler process (started by the launcher).
+
+    However the loop ends, it ends the orderly way: every job fails with the engine's own
+    message and the worker is told to stop; the exit code says whether it was a failure."""
     setup_logging(spec.config.log_level, "scheduler")
     context = zmq.Context()
     sockets = _bind(context, spec)
@@ -43,21 +62,25 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
         ready.send(("ready", spec.addresses.client))
         _stop_on_signals(loop)
         loop.run()
-        loop.shutdown_worker()
-    except WorkerLost as exc:
-        log.error("%s", exc)
-        if loop is not None:
-            loop.frontend.fail_everything(str(exc))
-        exit_code = 1
-    except Exception:
-        log.exception("scheduler failed")
+    except Exception as exc:
         if loop is None:
+            log.exception("scheduler failed to start")
             ready.send(("failed", traceback.format_exc()))
+        elif isinstance(exc, WorkerLost):
+            log.error("%s", exc)
+            loop.frontend.fail_everything(str(exc))
+        else:
+            log.exception("scheduler failed")
+            loop.frontend.fail_everything(f"the scheduler failed: {type(exc).__name__}: {exc}")
         exit_code = 1
     finally:
+        if loop is not None:
+            loop.shutdown_worker()
         if loop is not None and loop.records is not None and spec.config.scheduler.trace:
             write_chrome_trace(loop.records, spec.config.scheduler.trace)
             log.info("wrote %d steps to %s", len(loop.records), spec.config.scheduler.trace)
+        if loop is not None and loop.frontend.prompts is not None:
+            loop.frontend.prompts.close()
         for socket in sockets.values():
             socket.close(linger=500)  # lets final replies (errors, finishes) go out
         segment.close()
@@ -66,16 +89,48 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
 
 
 def _bind(context: zmq.Context, spec: RunSpec) -> dict[str, zmq.Socket]:
+    max_model_len = spec.config.model.max_model_len
+    assert max_model_len is not None  # the launcher resolves it
     clients = context.socket(zmq.ROUTER)
-    clients.setsockopt(zmq.SNDHWM, CLIENT_HWM)
-    clients.setsockopt(zmq.RCVHWM, CLIENT_HWM)
+    clients.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+    clients.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
+    # Larger frames cost their sender the connection, before they are read into memory.
+    clients.setsockopt(zmq.MAXMSGSIZE, frame_limit(max_model_len))
+    # Sends to a client that is gone fail (rather than vanish): its jobs are then cancelled.
+    clients.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    clients.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    if spec.config.api_key is not None and uses_curve(spec.addresses.client, spec.config.api_key):
+        _require_curve(context, clients, CurveKeys.from_api_key(spec.config.api_key))
     clients.bind(spec.addresses.client)
     steps = context.socket(zmq.PUSH)
     steps.bind(spec.addresses.worker_steps)
     results = context.socket(zmq.PULL)
+    results.setsockopt(zmq.MAXMSGSIZE, WORKER_MAXMSGSIZE)
     results.bind(spec.addresses.worker_results)
     monitor = results.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     return {"clients": clients, "steps": steps, "results": results, "monitor": monitor}
+
+
+def _require_curve(context: zmq.Context, socket: zmq.Socket, keys: CurveKeys) -> None:
+    """Encrypt the socket's traffic, and accept only clients whose key comes from the same
+    api key. The authenticator is a thread of ZeroMQ's that answers handshakes: it lives
+    as long as the process."""
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve_callback("*", _AllowKey(keys.client_public))
+    keys.make_server(socket)
+
+
+class _AllowKey:
+    def __init__(self, public_key: bytes) -> None:
+        self.public_key = public_key
+
+    def callback(self, domain: str, key: bytes) -> bool:  # key: Z85, as pyzmq passes it
+        allowed = key == self.public_key
+        if not allowed:
+            log.warning("refused a client without the api key")
+        return allowed
 
 
 def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegment) -> EngineLoop:
@@ -102,7 +157,14 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         max_batch_tokens=config.scheduler.max_batch_tokens,
     )
     packer = BatchPacker(segment.buf, spec.layout, config.cache.block_size)
-    frontend = Frontend(sockets["clients"], scheduler, model, tokenizer)
+    frontend = Frontend(
+        sockets["clients"],
+        scheduler,
+        model,
+        tokenizer,
+        max_waiting_requests=config.scheduler.max_waiting_requests,
+        max_frame_bytes=frame_limit(max_model_len),
+    )
     log.info(
         "serving %s (%s on %s), %d KV blocks",
         hello.model,
@@ -120,6 +182,10 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         worker_monitor=sockets["monitor"],
         max_in_flight=config.scheduler.max_in_flight,
         pack_delay_s=config.scheduler.debug_scheduler_delay_ms / 1e3,
+        heartbeats=spec.heartbeats(segment.buf),
+        liveness=Liveness(
+            config.liveness_timeout_s, config.scheduler.step_timeout_s, config.ready_timeout_s
+        ),
         record_steps=config.scheduler.trace is not None,
     )
 

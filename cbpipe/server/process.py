@@ -23,11 +23,13 @@ import uvicorn
 
 from cbpipe.logs import setup_logging
 from cbpipe.protocol.launch import RunSpec
+from cbpipe.protocol.shm import AttachedSegment
 
 log = logging.getLogger("cbpipe.server")
 
 CONNECT_TIMEOUT_S = 60.0
 GRACEFUL_SHUTDOWN_S = 2  # open streams are closed after this; their jobs are cancelled
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -58,17 +60,33 @@ def server_main(spec: RunSpec, ready: Connection, sock: socket.socket, index: in
     """Entry point of server process ``index`` (started by the launcher)."""
     os.makedirs(metrics_dir(spec), exist_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir(spec)
-    setup_logging(spec.config.log_level, f"api_server_{index}")
+    name = f"api_server_{index}"
+    setup_logging(spec.config.log_level, name)
+    segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
+    heartbeats = spec.heartbeats(segment.buf)
     try:
-        asyncio.run(_serve(spec, ready, sock))
+        asyncio.run(_serve(spec, ready, sock, heartbeats.beater(name)))
     except Exception:
         log.exception("the HTTP server failed")
         with contextlib.suppress(OSError):
             ready.send(("failed", traceback.format_exc()))
         raise SystemExit(1) from None
+    finally:
+        heartbeats.close()
+        segment.close()
 
 
-async def _serve(spec: RunSpec, ready: Connection, sock: socket.socket) -> None:
+async def _beat(beat: Callable[[], None]) -> None:
+    """The launcher's sign of life from this event loop: a loop blocked for longer than
+    --liveness-timeout-s ends the run, as a stuck scheduler does."""
+    while True:
+        beat()
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+async def _serve(
+    spec: RunSpec, ready: Connection, sock: socket.socket, beat: Callable[[], None]
+) -> None:
     from cbpipe.client import AsyncClient
     from cbpipe.models import resolve_model
     from cbpipe.server.app import build_app
@@ -78,7 +96,9 @@ async def _serve(spec: RunSpec, ready: Connection, sock: socket.socket) -> None:
 
     server_config = spec.config.server
     source = resolve_model(spec.config.model.model)
-    client = await AsyncClient.connect(spec.addresses.client, connect_timeout=CONNECT_TIMEOUT_S)
+    client = await AsyncClient.connect(
+        spec.addresses.client, connect_timeout=CONNECT_TIMEOUT_S, api_key=spec.config.api_key
+    )
     try:
         name = server_config.served_model_name or spec.config.model.model
         text = Text.load(source.tokenizer_path, name, server_config.chat_template)
@@ -87,7 +107,7 @@ async def _serve(spec: RunSpec, ready: Connection, sock: socket.socket) -> None:
             text,
             ServerMetrics(name),
             name,
-            api_key=server_config.api_key,
+            api_key=spec.config.api_key,
             created=int(time.time()),
         )
         config = uvicorn.Config(
@@ -98,7 +118,11 @@ async def _serve(spec: RunSpec, ready: Connection, sock: socket.socket) -> None:
             lifespan="off",
         )
         server = _Server(config, lambda: ready.send(("ready", f"http={url_of(sock)}")))
-        await server.serve(sockets=[sock])
+        beating = asyncio.ensure_future(_beat(beat))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            beating.cancel()
     finally:
         await client.close()
 

@@ -11,7 +11,9 @@ import logging
 import os
 import queue
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -46,6 +48,7 @@ log = logging.getLogger("cbpipe.worker")
 
 _STOP = object()
 IDLE_MS = 100  # no step for this long: the worker is idle
+HEARTBEAT_PERIOD_S = 0.1
 
 
 def worker_main(spec: RunSpec, ready: Connection) -> None:
@@ -65,6 +68,7 @@ def worker_main(spec: RunSpec, ready: Connection) -> None:
     runner = segment = None
     try:
         runner, segment, hello = _load(spec)
+        _keep_beating(spec.heartbeats(segment.buf).beater("worker"))
         outbox.put(hello)
         ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
         _serve(steps, runner, outbox)
@@ -131,6 +135,19 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         eos_token_ids=source.eos_token_ids,
     )
     return runner, segment, hello
+
+
+def _keep_beating(beat: Callable[[], None]) -> None:
+    """Stamp the worker's heartbeat from a thread of its own: the main thread may spend
+    minutes in one step on a CPU, and a step the device never finishes is the scheduler's
+    deadline to notice; this is for a worker process that stopped or died."""
+
+    def run() -> None:
+        while True:
+            beat()
+            time.sleep(HEARTBEAT_PERIOD_S)
+
+    threading.Thread(target=run, name="heartbeat", daemon=True).start()
 
 
 def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:

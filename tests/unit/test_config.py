@@ -78,11 +78,11 @@ def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
         resolve_limits(EngineConfig(model=ModelConfig(max_model_len=10**7)))
 
 
-def test_server_flags_and_the_api_key_from_the_environment() -> None:
+def test_server_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
+    import dataclasses
 
-    from cbpipe.env import Environment
-
+    monkeypatch.delenv("CBPIPE_API_KEY", raising=False)
     parser = argparse.ArgumentParser()
     config.add_arguments(parser)
     args = ["--port", "0", "--api-server-count", "3", "--chat-template", "t.jinja"]
@@ -90,11 +90,45 @@ def test_server_flags_and_the_api_key_from_the_environment() -> None:
     assert (parsed.server.port, parsed.server.api_server_count) == (0, 3)
     assert (parsed.server.host, parsed.server.chat_template) == ("127.0.0.1", "t.jinja")
     assert config.EngineConfig().server.port is None  # no HTTP server unless asked
-    keyed = Environment.read({"CBPIPE_API_KEY": "sk-env"}).apply(parsed)
-    assert keyed.server.api_key == "sk-env"
-    flagged = config.from_arguments(parser.parse_args([*args, "--api-key", "sk-flag"]))
-    assert Environment.read({"CBPIPE_API_KEY": "sk-env"}).apply(flagged).server.api_key == "sk-flag"
-    assert Environment.read({}).apply(parsed).server.api_key is None
     for bad in (["--port", "70000"], ["--api-server-count", "0"]):
         with pytest.raises(ValueError, match=bad[0]):
             config.from_arguments(parser.parse_args(bad)).validate()
+    # Beyond this host, HTTP too is asked for, and keyed.
+    remote = config.from_arguments(parser.parse_args(["--port", "0", "--host", "0.0.0.0"]))
+    with pytest.raises(ValueError, match="--allow-remote"):
+        remote.validate()
+    with pytest.raises(ValueError, match="--api-key"):
+        dataclasses.replace(remote, allow_remote=True).validate()
+    dataclasses.replace(remote, allow_remote=True, api_key="k").validate()
+
+
+@pytest.mark.parametrize(
+    ("address", "local"),
+    [
+        ("ipc:///tmp/cbpipe-1-x/client.sock", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://10.1.2.3:5555", False),
+    ],
+)
+def test_addresses_beyond_this_host_need_allow_remote_and_a_key(address: str, local: bool) -> None:
+    import dataclasses
+
+    from cbpipe.protocol.security import is_local_address
+
+    assert is_local_address(address) == local
+    engine = config.EngineConfig(address=address)
+    if local:
+        engine.validate()
+        return
+    with pytest.raises(ValueError, match="--allow-remote"):
+        engine.validate()
+    with pytest.raises(ValueError, match="--api-key"):
+        dataclasses.replace(engine, allow_remote=True).validate()
+    keyed = dataclasses.replace(engine, allow_remote=True, api_key="secret")
+    keyed.validate()
+    assert "secret" not in repr(keyed)

@@ -3,15 +3,19 @@ the text stage, stop strings and prompt log-probabilities, without a model or pr
 
 from __future__ import annotations
 
+import select
 from collections import deque
 from functools import cache
 from typing import Any
 
 import numpy as np
+import zmq
 
 from cbpipe.models import EMBEDDED_MODEL_DIR
 from cbpipe.protocol.messages import (
     Cancel,
+    Error,
+    ErrorKind,
     Finished,
     Message,
     PromptLogprobs,
@@ -63,6 +67,10 @@ def make_frontend(with_tokenizer: bool = False) -> tuple[Frontend, FakeSocket]:
 def submit(frontend: Frontend, socket: FakeSocket, request_id: int, prompt: Any, **params) -> None:
     socket.inbox.append([CLIENT, encode(Submit(request_id, prompt, SamplingParams(**params)))])
     frontend.receive()
+    if isinstance(prompt, str):  # tokenized on the tokenizer's thread: wait for it, as the loop
+        assert frontend.prompts is not None
+        assert select.select([frontend.prompts.fileno()], [], [], 30)[0]
+        frontend.on_prompts_tokenized()
 
 
 def fake_output(plan: StepPlan, tokens: dict[int, int]) -> StepOutput:
@@ -167,3 +175,68 @@ def test_prompt_logprobs_are_sent_once_before_the_first_token() -> None:
     assert message.logprobs == [0.0, -1.0, -2.0]  # rows 0-2 predict prompt tokens 1-3
     assert message.top_ids == [[0, 1]] * 3
     assert socket.sent.index(message) < socket.sent.index(socket.of_type(Tokens)[0])
+
+
+def test_a_failing_handler_ends_its_message_not_the_engine(monkeypatch: Any) -> None:
+    frontend, socket = make_frontend()
+    calls = []
+
+    def broken(req: Any) -> None:
+        calls.append(req)
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(frontend.scheduler, "add_request", broken)
+    submit(frontend, socket, 1, [5, 6], max_new_tokens=3)
+    (error,) = socket.of_type(Error)
+    assert error.request_id == 1 and "RuntimeError" in error.message and calls
+    monkeypatch.undo()
+    submit(frontend, socket, 2, [5, 6], max_new_tokens=3)
+    assert len(frontend.scheduler.requests) == 1  # the next request is served
+
+
+def test_a_full_queue_refuses_jobs_as_busy() -> None:
+    frontend, socket = make_frontend()
+    frontend.max_waiting_requests = 2
+    for request_id in (1, 2, 3):
+        submit(frontend, socket, request_id, [5, 6], max_new_tokens=3)
+    (error,) = socket.of_type(Error)
+    assert (error.request_id, error.kind) == (3, ErrorKind.BUSY) and "busy" in error.message
+    frontend.scheduler.schedule()  # both start: room in the queue again
+    submit(frontend, socket, 4, [5, 6], max_new_tokens=3)
+    assert len(socket.of_type(Error)) == 1
+
+
+def test_a_job_cancelled_while_its_prompt_is_tokenized_ends_cancelled() -> None:
+    frontend, socket = make_frontend(with_tokenizer=True)
+    socket.inbox.append([CLIENT, encode(Submit(1, "Return the", SamplingParams(4, n=2)))])
+    frontend.receive()
+    socket.inbox.append([CLIENT, encode(Cancel(1))])
+    frontend.receive()
+    assert sorted((f.index, f.finish_reason) for f in socket.of_type(Finished)) == [
+        (0, "cancelled"),
+        (1, "cancelled"),
+    ]
+    assert frontend.prompts is not None
+    assert select.select([frontend.prompts.fileno()], [], [], 30)[0]
+    frontend.on_prompts_tokenized()  # the finished prompt is dropped
+    assert frontend.scheduler.is_idle
+
+
+class GoneClientSocket(FakeSocket):
+    """A ROUTER socket with ROUTER_MANDATORY, after the client's connection went away."""
+
+    def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
+        raise zmq.ZMQError(zmq.EHOSTUNREACH)
+
+
+def test_a_gone_clients_jobs_are_cancelled_when_a_send_to_it_fails() -> None:
+    frontend, socket = make_frontend()
+    submit(frontend, socket, 1, [5, 6], max_new_tokens=50)
+    submit(frontend, socket, 2, [7, 8], max_new_tokens=50)
+    scheduler = frontend.scheduler
+    frontend.socket = GoneClientSocket()
+    plan = scheduler.schedule()
+    frontend.publish(scheduler.update(plan, fake_output(plan, {})))
+    assert len(scheduler.requests) == 2  # found out while streaming; cancelled after
+    frontend.cancel_gone_clients()
+    assert scheduler.is_idle and scheduler.blocks.num_free_blocks == 64

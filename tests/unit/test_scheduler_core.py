@@ -234,3 +234,23 @@ def test_block_table_rows_always_hold_each_running_requests_blocks() -> None:
     assert preemptions > 0
     assert scheduler.tables.rows.shape[1] > 64
     assert sorted(scheduler.tables._free_rows) == list(range(6))
+
+
+def test_cancelled_waiting_requests_leave_the_queue_at_its_head() -> None:
+    scheduler = make_scheduler(max_num_seqs=8)
+    reqs = [make_request(i, 3) for i in range(1, 6)]
+    for req in reqs:
+        scheduler.add_request(req)
+    scheduler.cancel(2)
+    scheduler.cancel(4)
+    assert scheduler.num_waiting == 3
+    plan = scheduler.schedule()
+    assert [s.req.request_id for s in plan.seqs] == [1, 3, 5]
+    assert scheduler.num_waiting == 0 and not scheduler.waiting
+
+
+def test_a_cancelled_head_does_not_count_as_work() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request(1, 3))
+    scheduler.cancel(1)
+    assert not scheduler.has_work and scheduler.is_idle

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from cbpipe.protocol.liveness import TABLE_NBYTES
 from cbpipe.protocol.slots import ALIGN, FIELDS, SlotLayout, SlotLimits, numpy_views
 
 
@@ -16,7 +17,8 @@ def test_fields_are_aligned_disjoint_and_inputs_come_first() -> None:
     assert layout.region("inputs")[1] <= layout.region("extras")[0]
     assert layout.region("extras")[1] <= layout.region("outputs")[0]
     assert layout.slot_nbytes % ALIGN == 0
-    assert layout.segment_nbytes == 3 * layout.slot_nbytes
+    assert layout.segment_nbytes == TABLE_NBYTES + 3 * layout.slot_nbytes  # heartbeats first
+    assert layout.slot_offset(1) == TABLE_NBYTES + layout.slot_nbytes
     assert layout.fields["block_tables"].length == 7 * 13
     assert set(layout.fields) == {f.name for f in FIELDS}
 
