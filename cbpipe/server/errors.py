@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from cbpipe.client import EngineError, RequestError
+from cbpipe.client.jobs import EngineBusy, EngineError, RequestError
 
 # The engine's parameter names, as the HTTP API spells them.
 ENGINE_TO_HTTP_NAMES = {
@@ -84,6 +84,8 @@ def from_engine(error: Exception, max_tokens_name: str = "max_tokens") -> APIErr
         if param == "max_tokens":
             param = max_tokens_name
         return APIError(400, message, param=param)
+    if isinstance(error, EngineBusy):
+        return APIError(503, f"the engine is busy, retry later: {error}", code="engine_busy")
     if isinstance(error, EngineError):
         return APIError(503, f"the engine is unavailable: {error}", code="engine_unavailable")
     raise error
