@@ -8,6 +8,7 @@ from cbpipe.client.async_client import AsyncClient, AsyncJob
 from cbpipe.client.client import Client, Job
 from cbpipe.client.jobs import (
     Delta,
+    EngineBusy,
     EngineError,
     PromptLogprob,
     RequestError,
@@ -21,6 +22,7 @@ __all__ = [
     "AsyncJob",
     "Client",
     "Delta",
+    "EngineBusy",
     "EngineError",
     "Job",
     "PromptLogprob",

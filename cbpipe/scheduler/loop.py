@@ -143,6 +143,7 @@ class EngineLoop:
         # Set when the plan came back empty (every runnable request waits on the step in
         # flight); cleared by anything that can change that.
         self._blocked = False
+        self._worker_fd: int | None = None  # its connection to the results socket
         self.heartbeats = heartbeats
         self.beat = heartbeats.beater("scheduler")
         self.liveness = liveness
@@ -301,8 +302,16 @@ class EngineLoop:
         self.frontend.cancel_gone_clients()
 
     def _on_monitor_event(self) -> None:
+        """The results socket's connections: the first is the worker's (it connects before
+        it reports ready, to a socket in the run's private folder); its end is the worker's."""
         event = zmq.utils.monitor.recv_monitor_message(self.worker_monitor)
-        if event["event"] == zmq.EVENT_DISCONNECTED and not self.stopping:
+        if event["event"] == zmq.EVENT_ACCEPTED and self._worker_fd is None:
+            self._worker_fd = event["value"]
+        elif (
+            event["event"] == zmq.EVENT_DISCONNECTED
+            and event["value"] == self._worker_fd
+            and not self.stopping
+        ):
             raise WorkerLost("the worker process exited")
 
 

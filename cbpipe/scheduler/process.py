@@ -108,7 +108,7 @@ def _bind(context: zmq.Context, spec: RunSpec) -> dict[str, zmq.Socket]:
     results = context.socket(zmq.PULL)
     results.setsockopt(zmq.MAXMSGSIZE, WORKER_MAXMSGSIZE)
     results.bind(spec.addresses.worker_results)
-    monitor = results.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = results.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
     return {"clients": clients, "steps": steps, "results": results, "monitor": monitor}
 
 
