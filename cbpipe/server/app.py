@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cbpipe.client import EngineError
 from cbpipe.server.chat import create_chat_completion
@@ -23,10 +24,16 @@ from cbpipe.server.schemas import UNION_TYPES, ChatCompletionRequest, Completion
 HEALTH_TIMEOUT_S = 5.0  # an engine that cannot answer its counters in this long is not well
 
 
-def build_app(state: ServerState) -> FastAPI:
+# A body larger than this is refused (413) before it is read whole: the longest prompt the
+# engine takes, as JSON token ids, is far smaller.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def build_app(state: ServerState, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="cbpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cbpipe = state
     _add_error_handlers(app, state)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -100,6 +107,37 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         state.metrics.request_failed(exc.status_code)
         return APIError(exc.status_code, str(exc.detail)).response()
+
+
+class BodyLimit:
+    """Refuse a request body over ``max_bytes`` with a 413, by its Content-Length or, for a
+    chunked one, once that many bytes arrived."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = APIError(413, f"the request body exceeds {self.max_bytes} bytes")
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await too_big.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise too_big
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _validation_error(errors: Any) -> APIError:

@@ -4,6 +4,7 @@ streaming or not."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,7 +41,8 @@ async def create_chat_completion(
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [_message(m.role, m.content, m.name) for m in body.messages]
     try:
-        prompt = state.text.chat_prompt(
+        prompt = await asyncio.to_thread(  # off the event loop, as a completion's prompt
+            state.text.chat_prompt,
             messages,
             add_generation_prompt=bool(body.add_generation_prompt),
             continue_final_message=bool(body.continue_final_message),

@@ -8,6 +8,7 @@ the output's (the first token has none).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,8 @@ async def create_completion(
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
         raise APIError(400, "best_of must equal n: every sample drawn is returned", param="best_of")
-    texts, prompts = _prompts(body.prompt, state.text)
+    # Off the event loop: a long prompt must not stall the other streams while it tokenizes.
+    texts, prompts = await asyncio.to_thread(_prompts, body.prompt, state.text)
     logprobs = body.logprobs
     options = sampling_options(
         body,

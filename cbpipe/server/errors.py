@@ -41,6 +41,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }

@@ -432,6 +432,21 @@ def test_bad_json_is_a_400(http: httpx.Client) -> None:
         error_of(response)
 
 
+def test_a_body_too_large_is_a_413_before_it_is_read(http_engine: EngineRun) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(http_engine.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=RESULT_TIMEOUT_S) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000000\r\n\r\n{"
+        )
+        reply = conn.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413"), reply
+    assert '"type":"invalid_request_error"' in reply
+
+
 def test_the_openai_client_sees_each_error_status(
     api: openai.OpenAI, http_engine: EngineRun
 ) -> None:
