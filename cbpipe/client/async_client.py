@@ -3,7 +3,8 @@
 Everything runs on the event loop that connected the client: one task receives the engine's
 replies and routes them (``route_reply``, shared with ``Client``) to their jobs' states,
 another watches the connection and fails every unfinished job with ``EngineError`` when the
-engine goes away. No threads, no locks: a job's state changes only between two awaits.
+engine goes away (after routing the replies that came before). No threads, no locks: a
+job's state changes only between two awaits.
 """
 
 from __future__ import annotations
@@ -288,10 +289,9 @@ class AsyncClient:
     async def _start(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         self._welcomed = loop.create_future()
-        self._tasks = [
-            loop.create_task(self._receive(), name="cbpipe-client-receive"),
-            loop.create_task(self._watch_connection(), name="cbpipe-client-watch"),
-        ]
+        receiving = loop.create_task(self._receive(), name="cbpipe-client-receive")
+        watching = loop.create_task(self._watch_connection(receiving), name="cbpipe-client-watch")
+        self._tasks = [receiving, watching]
         await self._send(Hello())
         try:
             await asyncio.wait_for(asyncio.shield(self._welcomed), timeout)
@@ -326,12 +326,24 @@ class AsyncClient:
         while True:
             route_reply(await self._socket.recv(), self)
 
-    async def _watch_connection(self) -> None:
+    async def _watch_connection(self, receiving: asyncio.Task[None]) -> None:
         while True:
             event = zmq.utils.monitor.parse_monitor_message(await self._monitor.recv_multipart())
             error = connection_error(event["event"], self.address, self._welcome is not None)
             if error is not None:
-                self._fail_all(error)
+                break
+        # The engine's last replies (errors that say why) arrived before its disconnect:
+        # route them, in order, before failing what is left.
+        receiving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await receiving
+        while True:
+            try:
+                frame = await self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            route_reply(frame, self)
+        self._fail_all(error)
 
     # --- ReplySink: what route_reply hands over -----------------------------------------
 

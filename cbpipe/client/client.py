@@ -267,11 +267,13 @@ class Client:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 65536)
                 self._send_queued()
-            if self._monitor in events:
-                self._on_monitor_event(zmq.utils.monitor.recv_monitor_message(self._monitor))
+            # Frames first: an engine's last error replies arrive before its disconnect, and
+            # say more than "lost the connection".
             if self._socket in events:
                 while self._socket.poll(0):
                     route_reply(self._socket.recv(), self)
+            if self._monitor in events:
+                self._on_monitor_event(zmq.utils.monitor.recv_monitor_message(self._monitor))
         self._send_queued()  # the goodbye may have been queued after the last wake-up
 
     def _send_queued(self) -> None:

@@ -243,6 +243,25 @@ def test_an_engine_that_goes_away_fails_every_job(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_an_engines_last_words_come_before_its_disconnect(tmp_path: Path) -> None:
+    async def main() -> None:
+        address = f"ipc://{tmp_path}/engine.sock"
+        engine = FakeEngine(address)
+        client = await AsyncClient.connect(address)
+        told, untold = client.submit([1], max_new_tokens=3), client.submit([2], max_new_tokens=3)
+        await engine.next(Submit)
+        await engine.next(Submit)
+        await engine.send(Error(told.request_id, ErrorKind.ENGINE, "the worker stopped"))
+        await engine.close()
+        with pytest.raises(EngineError, match="the worker stopped"):
+            await asyncio.wait_for(told.result(), WAIT_S)
+        with pytest.raises(EngineError, match="lost the connection"):
+            await asyncio.wait_for(untold.result(), WAIT_S)
+        await client.close()
+
+    asyncio.run(main())
+
+
 def test_close_fails_unfinished_jobs_and_says_goodbye(tmp_path: Path) -> None:
     async def test(engine: FakeEngine, address: str) -> None:
         client = await AsyncClient.connect(address)
