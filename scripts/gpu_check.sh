@@ -29,6 +29,11 @@
 #            models through graphs, compile and the warm-up)                       (~6-9 min)
 #   gemma2   one decode step of random:gemma2-2b x32 at context 8192 (window 4096 on half
 #            the layers) eager, from a CUDA graph and compiled, against its floor     (~5 min)
+#   serving  scripts/bench_serving.py: random:llama-1b, 256 concurrent streams of 128 prompt +
+#            BENCH_OUTPUT_LEN tokens through HTTP (SERVING_1B_SERVERS server processes, each
+#            count its own engine) and through ZeroMQ; random:llama-8b over HTTP at Poisson
+#            arrival rates SERVING_8B_RATES, time to first token and inter-token latency
+#            p50/p90/p99 (needs the HTTP wheels: README)                         (~7 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
@@ -43,6 +48,12 @@
 #                          BENCH_1B_MODES overrides it for the bench part's llama-1b run
 #   BENCH_MODELS=llama8b,llama1b  the bench part's runs
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
+#   SERVING_RUNS=llama1b,llama8b  the serving part's runs
+#   SERVING_1B_SERVERS="1 4"      HTTP server processes (--api-server-count) of each 1b run
+#   SERVING_8B_RATES=2,8,32       requests per second of the 8B runs (32 saturates it)
+#   SERVING_8B_PROMPTS=128        requests at each rate
+#   SERVING_8B_SERVERS=2          HTTP server processes of the 8B run
+#   SERVING_TIMEOUT=300           seconds for each serving run (start-up included)
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=480       seconds for the tests part (the suite took 361 s at 92754fa)
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
@@ -119,7 +130,8 @@ print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {tor
       f"  transformers {transformers.__version__}")
 print("cuda available:", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-for name in ("zmq", "msgpack", "numpy", "pytest"):
+for name in ("zmq", "msgpack", "numpy", "pytest", "fastapi", "uvicorn", "pydantic",
+             "prometheus_client", "uvloop", "httptools"):
     try:
         module = __import__(name)
         print(f"{name} {getattr(module, '__version__', '?')}")
@@ -287,6 +299,8 @@ if want sampling; then
         echo "exit code ${PIPESTATUS[0]}"
     } 2>&1 | tee "$OUT/sampling.log"
     rcs+=("sampling=$(grep '^exit code' "$OUT/sampling.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
 if want models; then
     {
         section "architecture matrix (${ARCH_DTYPES:-bfloat16,float32}), engine against generate"
@@ -316,6 +330,31 @@ if want gemma2; then
     rcs+=("gemma2=$(grep '^exit code' "$OUT/gemma2.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
+if want serving; then
+    {
+        if [[ ",${SERVING_RUNS:-llama1b,llama8b}," == *",llama1b,"* ]]; then
+            for servers in ${SERVING_1B_SERVERS:-1 4}; do
+                section "serving random:llama-1b, 256 streams, HTTP ($servers server processes) and ZeroMQ"
+                timeout -k 30 "${SERVING_TIMEOUT:-300}" "$PY" scripts/bench_serving.py \
+                    --model random:llama-1b --num-prompts 256 --max-concurrency 256 \
+                    --prompt-len 128 --output-len "$output_len" --backends http,zmq \
+                    --api-server-count "$servers" --json "$OUT/serving_1b_$servers.json"
+                echo "exit code $?"
+            done
+        fi
+        if [[ ",${SERVING_RUNS:-llama1b,llama8b}," == *",llama8b,"* ]]; then
+            section "serving random:llama-8b over HTTP, Poisson arrivals at ${SERVING_8B_RATES:-2,8,32}/s"
+            timeout -k 30 "${SERVING_TIMEOUT:-300}" "$PY" scripts/bench_serving.py \
+                --model random:llama-8b --num-prompts "${SERVING_8B_PROMPTS:-128}" \
+                --request-rates "${SERVING_8B_RATES:-2,8,32}" --prompt-len 128 \
+                --output-len "$output_len" --backends http \
+                --api-server-count "${SERVING_8B_SERVERS:-2}" --json "$OUT/serving_8b.json"
+            echo "exit code $?"
+        fi
+    } 2>&1 | tee "$OUT/serving.log"
+    rcs+=("serving=$(grep '^exit code' "$OUT/serving.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
 {
     section summary
     echo "PARTS=$PARTS exit codes: ${rcs[*]} (124: timed out); BENCH_SCALE=$BENCH_SCALE"
@@ -325,6 +364,8 @@ fi
     grep -h -e 'architectures match exactly' -e '^refused as expected' "$OUT"/models.log \
         2>/dev/null || true
     grep -h -e '^=====' -e '^per step' -e '^bandwidth floor' "$OUT"/gemma2.log 2>/dev/null || true
+    grep -h -E '^(===== serving|backend |http |zmq |    error|.*HTTP throughput)' \
+        "$OUT"/serving.log 2>/dev/null || true
     [ ! -s "$OUT/gpu_clocks.csv" ] || "$PY" - "$OUT/gpu_clocks.csv" <<'EOF'
 import csv, statistics, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 8 and r[6].strip().isdigit()]
