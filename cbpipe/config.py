@@ -120,11 +120,31 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP front end (``cbpipe/server/``)."""
+
+    port: int | None = _opt(
+        None,
+        "serve the OpenAI-compatible HTTP API on this port (0: any free one); "
+        "default: no HTTP server",
+    )
+    host: str = _opt("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)")
+    api_server_count: int = _opt(1, "HTTP server processes, sharing the port")
+    served_model_name: str | None = _opt(
+        None, "the model's name in the HTTP API; default: the --model value"
+    )
+    chat_template: str | None = _opt(
+        None, "a Jinja chat template (a file, or the template itself) instead of the tokenizer's"
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     address: str | None = _opt(
         None, "client address (zmq, e.g. tcp://127.0.0.1:5555); default: a new ipc:// path"
     )
@@ -172,6 +192,11 @@ class EngineConfig:
                 self.model.max_model_len is None or self.model.max_model_len >= 2,
                 "--max-model-len must be >= 2",
             ),
+            (
+                self.server.port is None or 0 <= self.server.port <= 65535,
+                "--port must be in 0..65535",
+            ),
+            (self.server.api_server_count >= 1, "--api-server-count must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -181,11 +206,19 @@ class EngineConfig:
     def _check_address(self) -> None:
         from cbpipe.protocol.security import is_local_address
 
-        if self.address is None or is_local_address(self.address):
+        listening = []
+        if self.address is not None and not is_local_address(self.address):
+            listening.append(f"--address {self.address}")
+        host = self.server.host
+        if self.server.port is not None and not is_local_address(
+            f"tcp://[{host}]:1" if ":" in host else f"tcp://{host}:1"
+        ):
+            listening.append(f"--host {host}")
+        if not listening:
             return
         if not self.allow_remote:
             raise ValueError(
-                f"--address {self.address} listens beyond this host, where anyone who can "
+                f"{' and '.join(listening)} listens beyond this host, where anyone who can "
                 "reach it could use the engine: pass --allow-remote and --api-key to serve "
                 "other machines (README: serving other machines)"
             )

@@ -89,8 +89,11 @@ class EngineProcess:
         assert stdout is not None
         with selectors.DefaultSelector() as selector:
             selector.register(stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if selector.select(timeout=0.5):
+            # At least one look, however late: an engine waited for after its deadline may
+            # have been ready long ago (a test pool starts engines well before their tests).
+            while True:
+                remaining = deadline - time.monotonic()
+                if selector.select(timeout=min(max(remaining, 0.0), 0.5)):
                     line = stdout.readline()
                     if match := READY.match(line):
                         return match
@@ -98,9 +101,8 @@ class EngineProcess:
                         with suppress(subprocess.TimeoutExpired):
                             self.process.wait(max(deadline - time.monotonic(), 0.0))
                         return None
-                elif self.process.poll() is not None:
+                elif self.process.poll() is not None or remaining <= 0:
                     return None
-        return None
 
     # --- what the ready line said -----------------------------------------------------------
 
@@ -125,6 +127,11 @@ class EngineProcess:
         """Every ``key=value`` of the ready line (other children's pids, an HTTP URL, ...)."""
         line = self._ready_line()
         return dict(f.split("=", 1) for f in line[0].split()[2:] if "=" in f)
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP server's base URL (``http://host:port``), when it serves one."""
+        return self.ready_fields.get("http")
 
     def _ready_line(self) -> re.Match[str]:
         if self._ready is None:

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -35,6 +36,7 @@ from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
+from cbpipe.models.support import check_config, length_limit
 from cbpipe.protocol.launch import EngineAddresses, RunSpec
 from cbpipe.protocol.liveness import HeartbeatTable
 from cbpipe.protocol.shm import (
@@ -77,17 +79,28 @@ class ChildSpec:
     watched_by: str | None = None  # the child that notices first when this one is stuck
 
 
-def engine_children(config: EngineConfig) -> list[ChildSpec]:
-    """The processes a run of ``config`` needs, in start order."""
+def engine_children(
+    config: EngineConfig, http_socket: socket.socket | None = None
+) -> list[ChildSpec]:
+    """The processes a run of ``config`` needs, in start order; the HTTP servers accept on
+    ``http_socket`` (the launcher opens it, so that a port in use fails at once)."""
     from cbpipe.scheduler.process import scheduler_main
     from cbpipe.worker.process import worker_main
 
     # The scheduler waits for the worker's handshake itself, so both start at once: the
     # worker's model loading is most of start-up.
-    return [
+    children = [
         ChildSpec("worker", worker_main, stopped_by="scheduler", watched_by="scheduler"),
         ChildSpec("scheduler", scheduler_main),
     ]
+    if http_socket is not None:
+        from cbpipe.server.process import server_main
+
+        children += [
+            ChildSpec(f"api_server_{i}", server_main, args=(http_socket, i), after=("scheduler",))
+            for i in range(config.server.api_server_count)
+        ]
+    return children
 
 
 class LaunchError(RuntimeError):
@@ -111,11 +124,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def resolve_limits(config: EngineConfig) -> EngineConfig:
     """``config`` with its length limit resolved against the model's, once for every process
-    (``--max-model-len`` as given, never rounded to a block: the scheduler enforces it)."""
+    (``--max-model-len`` as given, never rounded to a block: the scheduler enforces it).
+
+    Raises ``ValueError`` for a model that cannot be resolved, and ``UnsupportedModel`` (a
+    ``ValueError`` too) for one cbpipe cannot serve, before any child starts.
+    """
     source = resolve_model(config.model.model)
-    model_len = source.max_position_embeddings
-    max_model_len = config.model.max_model_len or model_len
-    if max_model_len > model_len:
+    max_model_len = check_config(source.config, config.model.max_model_len)
+    model_len = length_limit(source.config)
+    if model_len is not None and max_model_len > model_len:
         raise ValueError(
             f"--max-model-len {max_model_len} exceeds the {model_len} positions "
             f"{config.model.model} was trained for"
@@ -152,12 +169,19 @@ class Launcher:
         except ValueError as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)
             return 2
+        server = self.config.server
+        try:
+            http_socket = None if server.port is None else _listen(server.host, server.port)
+        except OSError as exc:
+            print(f"cbpipe-launch: cannot serve HTTP on {server.host}:{server.port}: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         started = time.monotonic()
         remove_dead_launches()
         run_dir = tempfile.mkdtemp(prefix=run_dir_prefix())
         segment = create_segment(new_segment_name(), layout.segment_nbytes)
         children: dict[str, mp.process.BaseProcess] = {}
-        specs = engine_children(self.config)
+        specs = engine_children(self.config, http_socket)
         heartbeats: HeartbeatTable | None = None
         try:
             spec = RunSpec(
@@ -183,6 +207,8 @@ class Launcher:
             return 1
         finally:
             _stop(specs, children)
+            if http_socket is not None:
+                http_socket.close()
             if heartbeats is not None:
                 heartbeats.close()
             remove_segment(segment)
@@ -289,6 +315,12 @@ def _ready_line(
     fields += [d for d in details.values() if re.fullmatch(r"[a-z_]+=\S+", d)]
     fields.append(f"startup_s={startup_s:.1f}")
     return "cbpipe ready " + " ".join(dict.fromkeys(fields))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    from cbpipe.server.process import listen
+
+    return listen(host, port)
 
 
 def _child(target, spec: RunSpec, ready, args) -> None:  # type: ignore[no-untyped-def]

@@ -2,13 +2,16 @@
 
 A decode step reads every weight the forward pass multiplies by (the input embedding only
 row by row, so it is left out unless it is tied to the output head) and the KV cache of
-every token each sequence attends to. Its floor is those bytes over the device's measured
-copy bandwidth; the benchmark sums it over the decode steps it ran.
+every token each sequence attends to: on a layer with a sliding window, the last ``window``
+tokens at most. Its floor is those bytes over the device's measured copy bandwidth; the
+benchmark sums it over the decode steps it ran (counting every layer's keys in full, as its
+records hold the context summed over sequences: for models with sliding windows its floor
+is too high, so their ratio to it too low).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +23,33 @@ from cbpipe.trace import StepRecord
 @dataclass(frozen=True)
 class DecodeBytes:
     weight_bytes: int  # read once per step
-    kv_bytes_per_token: int  # read once per attended token per step
+    kv_bytes_per_token: int  # read once per attended token per step, all layers
+    # (window, KV bytes per token of the layers with that window): they read at most the
+    # last ``window`` tokens of a sequence.
+    windowed: tuple[tuple[int, int], ...] = ()
 
     def step_bytes(self, num_context_tokens: int) -> int:
+        """Every layer reading every token (windows ignored)."""
         return self.weight_bytes + self.kv_bytes_per_token * num_context_tokens
 
+    def step_bytes_for(self, context_lens: Iterable[int]) -> int:
+        """The step of sequences of these context lengths, windows counted."""
+        full = self.kv_bytes_per_token - sum(per_token for _, per_token in self.windowed)
+        kv = sum(
+            full * n + sum(per_token * min(n, w) for w, per_token in self.windowed)
+            for n in context_lens
+        )
+        return self.weight_bytes + kv
 
-def decode_bytes(config: PretrainedConfig, dtype: torch.dtype) -> DecodeBytes:
-    """Byte counts from the configuration alone (the model is built on the meta device)."""
+
+def decode_bytes(
+    config: PretrainedConfig, dtype: torch.dtype, windows: Sequence[int | None] = ()
+) -> DecodeBytes:
+    """Byte counts from the configuration alone (the model is built on the meta device).
+
+    ``windows``: each layer's sliding window (None: none), as the worker's probe found them;
+    left empty, every layer reads every token.
+    """
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config()
@@ -37,8 +59,13 @@ def decode_bytes(config: PretrainedConfig, dtype: torch.dtype) -> DecodeBytes:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-    return DecodeBytes(params * dtype.itemsize, kv_per_token)
+    layer_kv = 2 * kv_heads * head_dim * dtype.itemsize
+    per_window: dict[int, int] = {}
+    for window in windows:
+        if window is not None:
+            per_window[window] = per_window.get(window, 0) + layer_kv
+    windowed = tuple(sorted(per_window.items()))
+    return DecodeBytes(params * dtype.itemsize, text.num_hidden_layers * layer_kv, windowed)
 
 
 def floor_seconds(

@@ -10,7 +10,7 @@ running server. Two implementations:
 
 * ``triton``: ``paged_decode_attention`` with its default split count.
 * ``gather+sdpa``: the engine's plain torch path for decode rows
-  (``cbpipe.worker.attention.attend_gathered`` with ``PagedStep.build``'s indices): gather
+  (``cbpipe.worker.attention.GatheredRows`` from ``PagedStep.build``): gather
   each sequence's keys and values into ``[S, max_k, KVH, D]``, fold the query heads of a KV
   head into query rows, and call SDPA (flash, efficient or math) with a boolean mask. The
   gather index is built outside the timed region (the engine builds it once per step for all
@@ -31,11 +31,11 @@ after 512 cached ones (context 1024, chunked prefill); two of 1024 (context 1024
 implementations:
 
 * ``triton``: ``paged_prefill_attention`` (``kernels/paged_prefill.py``) with its defaults.
-* ``gather+sdpa``: ``cbpipe.worker.attention.attend_gathered`` for a prefill group plus the scatter
-  back to packed rows: gather the query rows to ``[P, max_q]`` and the keys and values to
-  ``[P, max_k]``, fold the query heads of a KV head into query rows, SDPA (flash, efficient
-  or math) with the boolean mask ``[P, 1, G * max_q, max_k]``. The indices and the mask are
-  built outside the timed region, as ``PagedStep.build`` builds them once per step.
+* ``gather+sdpa``: ``cbpipe.worker.attention.GatheredRows.attend`` for a prefill group, with
+  the scatter back to packed rows: gather the query rows to ``[P, max_q]`` and the keys and
+  values to ``[P, max_k]``, fold the query heads of a KV head into query rows, SDPA (flash,
+  efficient or math) with the boolean mask ``[P, 1, G * max_q, max_k]``. The indices and the
+  mask are built outside the timed region, as ``PagedStep.build`` builds them once per step.
 
 Each reports the median time, the attention TFLOP/s of the causal work (the visible
 (query, key) pairs, 4 * heads * head_dim flops each) and the speed-up, and the time times
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from cbpipe.worker.attention import AttentionGroup
+    from cbpipe.worker.attention import GatheredRows
 
 # cbpipe.worker.attention imports transformers, which imports triton: it is imported where
 # used, after --self-check may have set TRITON_INTERPRET (triton reads it when imported).
@@ -86,7 +86,7 @@ class Problem:
     block_tables: torch.Tensor  # flat int32
     width: torch.Tensor  # one int64 element
     context_lens: torch.Tensor  # [S] int32
-    gathered: AttentionGroup  # the torch path's indices and mask, from PagedStep.build
+    gathered: GatheredRows  # the torch path's indices and masks, from PagedStep.build
 
     @property
     def scale(self) -> float:
@@ -105,7 +105,7 @@ class Row:
 
 
 def make_problem(batch: int, context: int, device: torch.device) -> Problem:
-    from cbpipe.worker.attention import KVCache, PagedStep
+    from cbpipe.worker.attention import GatheredRows, KVCache, PagedStep
 
     width = -(-context // BLOCK_SIZE)
     num_blocks = batch * width
@@ -130,10 +130,9 @@ def make_problem(batch: int, context: int, device: torch.device) -> Problem:
         kv_group_size=NUM_HEADS // NUM_KV_HEADS,
         decode_kernel=None,
     )
-    assert paged.decode is not None and paged.decode.gathered is not None
-    return Problem(
-        query, key_cache, value_cache, tables, header[1:], context_lens, paged.decode.gathered
-    )
+    (gathered,) = paged.groups
+    assert isinstance(gathered, GatheredRows)
+    return Problem(query, key_cache, value_cache, tables, header[1:], context_lens, gathered)
 
 
 def triton_attention(p: Problem, num_splits: int | None = None) -> torch.Tensor:
@@ -153,10 +152,12 @@ def triton_attention(p: Problem, num_splits: int | None = None) -> torch.Tensor:
 
 
 def gather_sdpa_attention(p: Problem) -> torch.Tensor:
-    """The engine's torch path for decode rows (``attend_gathered``)."""
-    from cbpipe.worker.attention import attend_gathered
+    """The engine's torch path for decode rows (``GatheredRows.attend``)."""
+    from cbpipe.worker.attention import AttentionVariant
 
-    return attend_gathered(p.query, p.key_cache, p.value_cache, p.gathered, p.scale)[:, 0]
+    out = torch.empty_like(p.query)
+    p.gathered.attend(AttentionVariant(p.scale), p.query, p.key_cache, p.value_cache, out)
+    return out
 
 
 def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor, spin: bool = True) -> float:
@@ -271,8 +272,7 @@ class PrefillProblem:
     context_lens: torch.Tensor  # [S] int32
     max_query_len: int
     # The torch path's per-step metadata, from PagedStep.build.
-    gathered: AttentionGroup
-    scatter: tuple[torch.Tensor, torch.Tensor]  # (sequence, offset) of each packed row
+    gathered: GatheredRows  # with the (sequence, offset) of each packed row
 
     @property
     def scale(self) -> float:
@@ -292,7 +292,7 @@ class PrefillRow:
 def make_prefill_problem(
     num_seqs: int, new: int, context: int, device: torch.device, dtype: torch.dtype = DTYPE
 ) -> PrefillProblem:
-    from cbpipe.worker.attention import KVCache, PagedStep
+    from cbpipe.worker.attention import GatheredRows, KVCache, PagedStep
 
     width = -(-context // BLOCK_SIZE)
     num_blocks = num_seqs * width
@@ -321,7 +321,8 @@ def make_prefill_problem(
         kv_group_size=PREFILL_HEADS // PREFILL_KV_HEADS,
         decode_kernel=None,
     )
-    assert paged.prefill is not None and paged.prefill_scatter is not None
+    (gathered,) = paged.groups
+    assert isinstance(gathered, GatheredRows)
     return PrefillProblem(
         query,
         key_cache,
@@ -330,8 +331,7 @@ def make_prefill_problem(
         query_start,
         context_lens,
         new,
-        paged.prefill,
-        paged.prefill_scatter,
+        gathered,
     )
 
 
@@ -362,12 +362,12 @@ def triton_prefill(
 
 
 def gather_sdpa_prefill(p: PrefillProblem) -> torch.Tensor:
-    """The engine's torch path for prefill rows: ``attend_gathered``, then the scatter."""
-    from cbpipe.worker.attention import attend_gathered
+    """The engine's torch path for prefill rows: ``GatheredRows.attend``, with the scatter."""
+    from cbpipe.worker.attention import AttentionVariant
 
-    padded = attend_gathered(p.query, p.key_cache, p.value_cache, p.gathered, p.scale)
-    seq, offset = p.scatter
-    return padded[seq, offset]
+    out = torch.empty_like(p.query)
+    p.gathered.attend(AttentionVariant(p.scale), p.query, p.key_cache, p.value_cache, out)
+    return out
 
 
 def prefill_flops(seqs: int, new: int, context: int) -> int:

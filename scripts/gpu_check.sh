@@ -15,6 +15,25 @@
 #            sync; random:llama-1b x1024, prompts 64-1024 and outputs 64-512, async
 #            (TARGET_1B_MODES)                                                    (~6 min)
 #   compile  the micro part's 8B decode step with --compile-decode: start-up and step time
+#   sampling the decode step per sampling preset (greedy, plain temperature, the full sampler
+#            with top-k/top-p/min_p without and with the top 20 alternatives, penalties,
+#            greedy with 5 alternatives) from CUDA graphs: random:llama-8b x32 (context 4096)
+#            and random:llama-1b x256 (context 512), every bucket up to the batch captured as
+#            the worker does (capture time and memory, then the same without the full
+#            sampler's graphs, where FULL steps run eagerly); then the full sampler's GPU
+#            tests. SAMPLING_COMPILE=1 adds the 8B presets with --compile-decode  (~6 min)
+#   models   the architecture matrix (scripts/check_architectures.py: every served architecture
+#            of tests/architectures.py against generate, in ARCH_DTYPES, how many match
+#            exactly), then the GPU cases of the attention kernel tests (sliding windows,
+#            soft-cap, sinks among them) and tests/gpu/test_architectures_gpu.py (variant
+#            models through graphs, compile and the warm-up)                       (~6-9 min)
+#   gemma2   one decode step of random:gemma2-2b x32 at context 8192 (window 4096 on half
+#            the layers) eager, from a CUDA graph and compiled, against its floor     (~5 min)
+#   serving  scripts/bench_serving.py: random:llama-1b, 256 concurrent streams of 128 prompt +
+#            BENCH_OUTPUT_LEN tokens through HTTP (SERVING_1B_SERVERS server processes, each
+#            count its own engine) and through ZeroMQ; random:llama-8b over HTTP at Poisson
+#            arrival rates SERVING_8B_RATES, time to first token and inter-token latency
+#            p50/p90/p99 (needs the HTTP wheels: README)                         (~7 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
@@ -29,10 +48,19 @@
 #                          BENCH_1B_MODES overrides it for the bench part's llama-1b run
 #   BENCH_MODELS=llama8b,llama1b  the bench part's runs
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
+#   SERVING_RUNS=llama1b,llama8b  the serving part's runs
+#   SERVING_1B_SERVERS="1 4"      HTTP server processes (--api-server-count) of each 1b run
+#   SERVING_8B_RATES=2,8,32       requests per second of the 8B runs (32 saturates it)
+#   SERVING_8B_PROMPTS=128        requests at each rate
+#   SERVING_8B_SERVERS=2          HTTP server processes of the 8B run
+#   SERVING_TIMEOUT=300           seconds for each serving run (start-up included)
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=480       seconds for the tests part (the suite took 361 s at 92754fa)
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
 #                          gets TARGET_TIMEOUT=420
+#   ARCH_DTYPES=bfloat16,float32  dtypes of the models part's architecture matrix
+#   MODELS_TIMEOUT=270     seconds for each of the models part's matrix and tests (the two
+#                          fit one call; ARCH_DTYPES=bfloat16 halves the matrix)
 #   PYTHON=python
 #   COMPILE_CACHE=         a folder for torch.compile's and Triton's caches (e.g. .compile-cache,
 #                          ignored by git): a compiled start-up that found them warm took 98 s
@@ -102,7 +130,8 @@ print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {tor
       f"  transformers {transformers.__version__}")
 print("cuda available:", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-for name in ("zmq", "msgpack", "numpy", "pytest"):
+for name in ("zmq", "msgpack", "numpy", "pytest", "fastapi", "uvicorn", "pydantic",
+             "prometheus_client", "uvloop", "httptools"):
     try:
         module = __import__(name)
         print(f"{name} {getattr(module, '__version__', '?')}")
@@ -241,11 +270,102 @@ if want compile; then
     rcs+=("compile=$(grep '^exit code' "$OUT/compile.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
+if want sampling; then
+    {
+        presets=greedy,random,full,full-logprobs,penalties,greedy-logprobs
+        for run in "random:llama-8b 32 4096" "random:llama-1b 256 512"; do
+            read -r model batch context <<<"$run"
+            section "sampling presets, $model x$batch, context $context, graphs"
+            timeout -k 10 200 "$PY" scripts/profile_step.py --model "$model" --batch "$batch" \
+                --context "$context" --steps 30 --all-buckets --sampling "$presets" 2>&1 \
+                | grep -v '^USDT'
+            echo "exit code ${PIPESTATUS[0]}"
+            section "sampling presets, $model x$batch, context $context, no full-sampler graphs"
+            timeout -k 10 200 "$PY" scripts/profile_step.py --model "$model" --batch "$batch" \
+                --context "$context" --steps 30 --all-buckets --no-full-graphs \
+                --sampling greedy,full,penalties 2>&1 | grep -v '^USDT'
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+        if [ "${SAMPLING_COMPILE:-0}" = 1 ]; then
+            section "sampling presets, random:llama-8b x32, context 4096, --compile-decode"
+            timeout -k 10 "${COMPILE_TIMEOUT:-300}" "$PY" scripts/profile_step.py \
+                --model random:llama-8b --batch 32 --context 4096 --steps 30 --all-buckets \
+                --compile-decode --sampling "$presets" 2>&1 | grep -v '^USDT'
+            echo "exit code ${PIPESTATUS[0]}"
+        fi
+        section "full sampler GPU tests"
+        timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu/test_full_sampling.py -m gpu -v \
+            --durations=10 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1
+        echo "exit code ${PIPESTATUS[0]}"
+    } 2>&1 | tee "$OUT/sampling.log"
+    rcs+=("sampling=$(grep '^exit code' "$OUT/sampling.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want models; then
+    {
+        section "architecture matrix (${ARCH_DTYPES:-bfloat16,float32}), engine against generate"
+        timeout -k 10 "${MODELS_TIMEOUT:-270}" "$PY" scripts/check_architectures.py --device cuda \
+            --dtypes "${ARCH_DTYPES:-bfloat16,float32}" --json "$OUT/architectures.json" 2>&1 \
+            | grep -v -e '^Loading weights' -e '^Writing model shards' -e 'RoPE scaling factor'
+        echo "exit code ${PIPESTATUS[0]}"
+        section "attention kernels' GPU cases and the variant models on the GPU"
+        timeout -k 10 "${MODELS_TIMEOUT:-270}" "$PY" -m pytest -m gpu -q -s --durations=10 \
+            tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py \
+            tests/gpu/test_architectures_gpu.py 2>&1 | tail -40
+        echo "exit code ${PIPESTATUS[0]}"
+    } 2>&1 | tee "$OUT/models.log"
+    rcs+=("models=$(grep '^exit code' "$OUT/models.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want gemma2; then
+    {
+        for graphs in --no-cuda-graphs --cuda-graphs --compile-decode; do
+            section "one decode step, random:gemma2-2b x32, context 8192, $graphs"
+            timeout -k 10 "${COMPILE_TIMEOUT:-300}" "$PY" scripts/profile_step.py \
+                --model random:gemma2-2b --batch 32 --context 8192 --steps 30 "$graphs" 2>&1 \
+                | grep -v '^USDT' | head -40
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+    } 2>&1 | tee "$OUT/gemma2.log"
+    rcs+=("gemma2=$(grep '^exit code' "$OUT/gemma2.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want serving; then
+    {
+        if [[ ",${SERVING_RUNS:-llama1b,llama8b}," == *",llama1b,"* ]]; then
+            for servers in ${SERVING_1B_SERVERS:-1 4}; do
+                section "serving random:llama-1b, 256 streams, HTTP ($servers server processes) and ZeroMQ"
+                timeout -k 30 "${SERVING_TIMEOUT:-300}" "$PY" scripts/bench_serving.py \
+                    --model random:llama-1b --num-prompts 256 --max-concurrency 256 \
+                    --prompt-len 128 --output-len "$output_len" --backends http,zmq \
+                    --api-server-count "$servers" --json "$OUT/serving_1b_$servers.json"
+                echo "exit code $?"
+            done
+        fi
+        if [[ ",${SERVING_RUNS:-llama1b,llama8b}," == *",llama8b,"* ]]; then
+            section "serving random:llama-8b over HTTP, Poisson arrivals at ${SERVING_8B_RATES:-2,8,32}/s"
+            timeout -k 30 "${SERVING_TIMEOUT:-300}" "$PY" scripts/bench_serving.py \
+                --model random:llama-8b --num-prompts "${SERVING_8B_PROMPTS:-128}" \
+                --request-rates "${SERVING_8B_RATES:-2,8,32}" --prompt-len 128 \
+                --output-len "$output_len" --backends http \
+                --api-server-count "${SERVING_8B_SERVERS:-2}" --json "$OUT/serving_8b.json"
+            echo "exit code $?"
+        fi
+    } 2>&1 | tee "$OUT/serving.log"
+    rcs+=("serving=$(grep '^exit code' "$OUT/serving.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
 {
     section summary
     echo "PARTS=$PARTS exit codes: ${rcs[*]} (124: timed out); BENCH_SCALE=$BENCH_SCALE"
     echo "total $((SECONDS - started)) s"
     grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log 2>/dev/null || true
+    grep -h -E '^(runner ready|per step|=====)' "$OUT"/sampling.log 2>/dev/null || true
+    grep -h -e 'architectures match exactly' -e '^refused as expected' "$OUT"/models.log \
+        2>/dev/null || true
+    grep -h -e '^=====' -e '^per step' -e '^bandwidth floor' "$OUT"/gemma2.log 2>/dev/null || true
+    grep -h -E '^(===== serving|backend |http |zmq |    error|.*HTTP throughput)' \
+        "$OUT"/serving.log 2>/dev/null || true
     [ ! -s "$OUT/gpu_clocks.csv" ] || "$PY" - "$OUT/gpu_clocks.csv" <<'EOF'
 import csv, statistics, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 8 and r[6].strip().isdigit()]

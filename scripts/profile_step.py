@@ -7,6 +7,10 @@ already "computed": the cache holds zeros, which costs the same), runs it repeat
 the real ``StepRunner``, and prints the wall time per step, the device time per step (CUDA
 events) and the top operators from ``torch.profiler``.
 
+``--sampling greedy,random,full,...`` times the same step once per sampling preset
+(``SAMPLING_PRESETS``: greedy, plain temperature, the full sampler with and without top
+alternatives, penalties), each from its own graph variant, one line each.
+
 By default each sequence's KV blocks lie together in a cache just large enough.
 ``--engine-block-layout`` lays them out as a server's batch does when its requests start
 together and decode in lockstep: each sequence's prompt blocks (``--prompt-len``) together,
@@ -25,6 +29,7 @@ import torch
 
 from cbpipe.config import CacheConfig
 from cbpipe.models import resolve_model
+from cbpipe.protocol.messages import Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.roofline import copy_bandwidth, decode_bytes
@@ -33,14 +38,31 @@ from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
+from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
-    load_model,
+    load_paged_model,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
 )
 from cbpipe.worker.runner import StepRunner
+
+# What each request of the step asks for, per --sampling preset.
+SAMPLING_PRESETS = {
+    "greedy": SamplingParams(1),
+    "random": SamplingParams(1, temperature=0.8),
+    # FULL: top-k, top-p and min_p (the sort), without and with the top 20 alternatives.
+    "full": SamplingParams(1, temperature=0.8, top_p=0.95, top_k=50, min_p=0.05),
+    "full-logprobs": SamplingParams(
+        1, temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, logprobs=20
+    ),
+    # FULL without the sort: the penalties (their state rows), then with alternatives.
+    "penalties": SamplingParams(
+        1, temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1
+    ),
+    "greedy-logprobs": SamplingParams(1, logprobs=5),
+}
 
 
 def main() -> None:
@@ -76,6 +98,28 @@ def main() -> None:
         "--prompt-len", type=int, default=256, help="prompt tokens, for --engine-block-layout"
     )
     parser.add_argument(
+        "--sampling",
+        default="greedy",
+        help=f"comma list of sampling presets to time, of {', '.join(SAMPLING_PRESETS)}",
+    )
+    parser.add_argument(
+        "--all-buckets",
+        action="store_true",
+        help="capture every bucket up to --batch, as the worker does (start-up's capture cost)",
+    )
+    parser.add_argument(
+        "--full-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="capture the full sampler's graph variants (--no-full-graphs: FULL runs eagerly)",
+    )
+    parser.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="print torch.profiler's top operators (default: with one sampling preset)",
+    )
+    parser.add_argument(
         "--grow",
         action="store_true",
         help="lengthen the attended key range by one at every step, as real decoding does",
@@ -84,9 +128,8 @@ def main() -> None:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = load_model(resolve_model(args.model), device, dtype,
-                       attn_implementation=attention.register(),
-                       fuse=args.fuse_projections)  # fmt: skip
+    model, paged = load_paged_model(resolve_model(args.model), device, dtype,
+                                    fuse=args.fuse_projections)  # fmt: skip
     bs = args.block_size
     # Room for the keys a --grow run attends to (they are masked, but gathered).
     longest = max(args.context + 2 * args.steps + 16, args.prefill_len)
@@ -97,47 +140,93 @@ def main() -> None:
     num_blocks = num_seqs * blocks_per_seq
     if args.engine_block_layout:
         num_blocks = max(
-            num_blocks, num_kv_blocks(model, CacheConfig(block_size=bs), device, dtype)
+            num_blocks, num_kv_blocks(paged, CacheConfig(block_size=bs), device, dtype)
         )
-    kv = allocate_kv_cache(model, num_blocks, bs, device, dtype)
+    kv = allocate_kv_cache(paged, num_blocks, bs, device, dtype)
     layout = SlotLayout.build(SlotLimits(num_tokens, num_seqs, blocks_per_seq))
     segment = memoryview(bytearray(layout.segment_nbytes))
     kernel = attention.load_decode_kernel(args.attention_backend, device)
     graphs = args.cuda_graphs and kernel is not None
     started = time.perf_counter()
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     prefill_kernel = attention.load_prefill_kernel(args.prefill_attention_backend, device)
-    runner = StepRunner(model, kv, layout, segment, device, decode_kernel=kernel,
+    batch_sizes = bucket_sizes(args.batch) if args.all_buckets else [args.batch]
+    runner = StepRunner(model, paged, kv, layout, segment, device, decode_kernel=kernel,
                         prefill_kernel=prefill_kernel,
-                        graph_batch_sizes=[args.batch] if graphs else (),
-                        compile_decode=args.compile_decode and graphs)  # fmt: skip
-    print(f"runner ready in {time.perf_counter() - started:.1f} s (graphs: {len(runner.graphs)})")
+                        graph_batch_sizes=batch_sizes if graphs else (),
+                        compile_decode=args.compile_decode and graphs,
+                        full_sampling_graphs=args.full_graphs)  # fmt: skip
+    grown_gib = 0.0
+    if device.type == "cuda":
+        grown_gib = (torch.cuda.memory_reserved(device) - reserved) / 2**30
+    state_mib = runner.state.nbytes(num_seqs, runner.vocab) / 2**20
+    print(f"runner ready in {time.perf_counter() - started:.1f} s (graphs: {len(runner.graphs)}"
+          f", full sampler at {runner.graphs.full_batch_sizes}; device memory reserved "
+          f"+{grown_gib:.2f} GiB, of which the sampling state {state_mib:.0f} MiB)")  # fmt: skip
 
+    presets = args.sampling.split(",")
+    unknown = [name for name in presets if name not in SAMPLING_PRESETS]
+    if unknown:
+        parser.error(f"unknown --sampling presets {unknown}; known: {list(SAMPLING_PRESETS)}")
+    profile = args.profile if args.profile is not None else len(presets) == 1
+    for name in presets:
+        step = _pack_step(args, layout, segment, num_blocks, blocks_per_seq, SAMPLING_PRESETS[name])
+        _time_step(args, runner, model, kernel, device, dtype, step, name, profile)
+
+
+def _pack_step(
+    args: argparse.Namespace,
+    layout: SlotLayout,
+    segment: memoryview,
+    num_blocks: int,
+    blocks_per_seq: int,
+    params: SamplingParams,
+) -> Step:
+    """One step of ``--batch`` decodes (and the prefill sequences), packed into slot 0."""
+    bs = args.block_size
+    num_prefills = args.prefill_seqs if args.prefill_len else 0
+    num_seqs = args.batch + num_prefills
+    num_tokens = args.batch + num_prefills * args.prefill_len
     scheduler = Scheduler(BlockManager(num_blocks, bs), max_num_seqs=num_seqs,
                           max_batch_tokens=num_tokens)  # fmt: skip
     decoding = []
     for i in range(args.batch):
-        req = Request(i, [1] * args.context, SamplingParams(1), 0, args.context + 1, frozenset())
+        req = Request(i, [1] * args.context, params, i, args.context + 1, frozenset())
         req.num_computed_tokens = args.context - 1  # only the last prompt token is left
         if args.engine_block_layout:
             scheduler.blocks.grow(req.block_ids, min(args.prompt_len, blocks_per_seq * bs))
         else:
             scheduler.blocks.grow(req.block_ids, blocks_per_seq * bs)
         decoding.append(req)
-    for num_tokens in range(args.prompt_len + bs, blocks_per_seq * bs + 1, bs):
+    for total in range(args.prompt_len + bs, blocks_per_seq * bs + 1, bs):
         for req in decoding if args.engine_block_layout else ():
-            scheduler.blocks.grow(req.block_ids, num_tokens)  # one block each, in turn
+            scheduler.blocks.grow(req.block_ids, total)  # one block each, in turn
     for req in decoding:
         scheduler.add_request(req)
     for i in range(num_prefills):
         prompt = [2] * args.prefill_len
         scheduler.add_request(
-            Request(args.batch + i, prompt, SamplingParams(1), 0, args.prefill_len + 1, frozenset())
+            Request(args.batch + i, prompt, params, 0, args.prefill_len + 1, frozenset())
         )
-    plan = scheduler.schedule()
-    step = BatchPacker(segment, layout, bs).pack(plan, 0, None)
+    return BatchPacker(segment, layout, bs).pack(scheduler.schedule(), 0, None)
+
+
+def _time_step(
+    args: argparse.Namespace,
+    runner: StepRunner,
+    model: torch.nn.Module,
+    kernel: object,
+    device: torch.device,
+    dtype: torch.dtype,
+    step: Step,
+    preset: str,
+    profile: bool,
+) -> None:
+    num_prefills = args.prefill_seqs if args.prefill_len else 0
     print(f"{args.model} {dtype} on {device}: step of {step.num_seqs} seqs "
           f"({step.num_single_token_seqs} decodes), {step.num_tokens} tokens, "
-          f"context {step.max_context_len}")  # fmt: skip
+          f"context {step.max_context_len}, sampling {preset} ({step.sampling.value}"
+          f"{', top alternatives' if step.top_logprobs else ''})")  # fmt: skip
 
     grown = 0
 
@@ -153,17 +242,26 @@ def main() -> None:
 
     run(3)
     wall, dev = run(args.steps)
-    print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream")
+    print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream "
+          f"(sampling {preset})")  # fmt: skip
     if device.type == "cuda" and not num_prefills:
-        sizes = decode_bytes(model.config, dtype)
-        floor_ms = sizes.step_bytes(step.num_seqs * args.context) / copy_bandwidth(device) * 1e3
+        windows = [layer.variant.sliding_window for layer in runner.attention.layers]
+        sizes = decode_bytes(model.config, dtype, windows)
+        step_bytes = sizes.step_bytes_for([args.context] * step.num_seqs)
+        floor_ms = step_bytes / copy_bandwidth(device) * 1e3
+        graph = runner.graph_for(step)
         print(
-            f"bandwidth floor {floor_ms:.2f} ms: the step takes {dev / floor_ms:.2f}x the floor"
-            f" ({'graph' if runner.graphs.find(step) else 'eager'}, decode kernel "
+            f"bandwidth floor {floor_ms:.2f} ms ({sizes.weight_bytes / 1e9:.2f} GB of weights, "
+            f"{(step_bytes - sizes.weight_bytes) / 1e9:.2f} GB of KV"
+            f"{', windows counted' if sizes.windowed else ''}): "
+            f"the step takes {dev / floor_ms:.2f}x the floor"
+            f" ({'graph' if graph else 'eager'}, decode kernel "
             f"{'triton' if kernel else 'torch'}, projections "
             f"{'fused' if args.fuse_projections else 'separate'}"
             f"{', compiled' if args.compile_decode else ''})"
         )
+    if not profile:
+        return
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -25,7 +25,7 @@ from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
 from cbpipe.worker.cuda_graphs import bucket_sizes
-from cbpipe.worker.model_loader import allocate_kv_cache, load_model
+from cbpipe.worker.model_loader import allocate_kv_cache, load_model, load_paged_model
 from cbpipe.worker.runner import LaunchedStep, StepRunner
 
 CPU = torch.device("cpu")
@@ -34,15 +34,14 @@ CPU = torch.device("cpu")
 @cache
 def paged_model(
     name: str, device: torch.device = CPU, dtype: torch.dtype = torch.float32, fuse: bool = True
-) -> torch.nn.Module:
-    return load_model(
-        resolve_model(name), device, dtype, attn_implementation=attention.register(), fuse=fuse
-    )
+) -> tuple[torch.nn.Module, attention.ModelAttention]:
+    return load_paged_model(resolve_model(name), device, dtype, fuse=fuse)
 
 
 @cache
 def reference_model(name: str, device: torch.device = CPU) -> torch.nn.Module:
-    return load_model(resolve_model(name), device, torch.float32, attn_implementation="sdpa")
+    """transformers' own attention: SDPA, or eager where the model does not support SDPA."""
+    return load_model(resolve_model(name), device, torch.float32, attn_implementation=None)
 
 
 def reference_greedy(
@@ -101,7 +100,7 @@ class InProcessEngine:
     _next_id: int = 0
 
     def __post_init__(self) -> None:
-        model = paged_model(self.model_name, self.device, self.dtype, self.fuse_projections)
+        model, paged = paged_model(self.model_name, self.device, self.dtype, self.fuse_projections)
         limits = SlotLimits(
             self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
@@ -115,11 +114,12 @@ class InProcessEngine:
             self.blocks, max_num_seqs=self.max_num_seqs, max_batch_tokens=self.max_batch_tokens
         )
         self.packer = BatchPacker(self.segment, self.layout, self.block_size)
-        kv = allocate_kv_cache(model, self.num_blocks, self.block_size, self.device, self.dtype)
+        kv = allocate_kv_cache(paged, self.num_blocks, self.block_size, self.device, self.dtype)
         kernel = _decode_kernel(self.attention_backend, self.device)
         graphs = self.cuda_graphs and kernel is not None
         self.runner = StepRunner(
             model,
+            paged,
             kv,
             self.layout,
             self.segment,

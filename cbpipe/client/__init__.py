@@ -4,6 +4,7 @@ Depends on the protocol, pyzmq and msgpack only: it imports without torch.
 ``Client`` is for threads, ``AsyncClient`` for asyncio; both keep the same contract.
 """
 
+from cbpipe.client.async_client import AsyncClient, AsyncJob
 from cbpipe.client.client import Client, Job
 from cbpipe.client.jobs import (
     Delta,
@@ -17,6 +18,8 @@ from cbpipe.client.jobs import (
 from cbpipe.protocol.messages import Stats
 
 __all__ = [
+    "AsyncClient",
+    "AsyncJob",
     "Client",
     "Delta",
     "EngineBusy",

@@ -9,14 +9,13 @@ away, and every unfinished job then fails with ``EngineError`` instead of waitin
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Unpack
 
 import zmq
@@ -26,33 +25,24 @@ from cbpipe.client.jobs import (
     MONITORED_EVENTS,
     Delta,
     EngineError,
+    JobChange,
     JobState,
-    RequestError,
     Result,
     SamplingOptions,
     configure_client_socket,
     connection_error,
-    error_for,
-    make_params,
-    prompt_payload,
+    route_reply,
+    submit_frame,
 )
 from cbpipe.protocol.messages import (
     MAX_FRAME_BYTES,
-    REPLY_TYPES,
     Cancel,
-    Error,
-    Finished,
     GetStats,
     Goodbye,
     Hello,
     Message,
-    PromptLogprobs,
-    ProtocolError,
     Stats,
-    Submit,
-    Tokens,
     Welcome,
-    decode,
     encode,
 )
 from cbpipe.protocol.sampling import SamplingParams
@@ -121,11 +111,12 @@ class Job:
         if not self.done:
             self._client._send(Cancel(self.request_id))
 
-    def _update(self, change: Callable[[JobState], object]) -> object:
+    def _update(self, change: JobChange) -> bool:
+        """Apply ``change`` and wake the readers; whether the job is now done."""
         with self._changed:
-            outcome = change(self._state)
+            change(self._state)
             self._changed.notify_all()
-            return outcome
+            return self._state.done
 
 
 class Client:
@@ -193,14 +184,10 @@ class Client:
 
         ``options`` are ``SamplingParams``' fields (``temperature``, ``top_p``, ``stop``,
         ``logprobs``, ``n``, ...); ``logit_bias`` maps token ids to biases."""
-        params = make_params(max_new_tokens, options)
-        job = Job(next(self._ids), params, self)
-        frame = encode(Submit(job.request_id, prompt_payload(prompt), params))
+        request_id = next(self._ids)
         limit = self._welcome.max_frame_bytes if self._welcome is not None else MAX_FRAME_BYTES
-        if len(frame) > limit:
-            raise RequestError(
-                f"request of {len(frame)} bytes exceeds the engine's frame limit of {limit} bytes"
-            )
+        params, frame = submit_frame(request_id, prompt, max_new_tokens, options, limit)
+        job = Job(request_id, params, self)
         with self._jobs_lock:
             self._check_usable()
             self._jobs[job.request_id] = job
@@ -290,11 +277,13 @@ class Client:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 65536)
             self._send_queued()
-            if self._monitor in events:
-                self._on_monitor_event(zmq.utils.monitor.recv_monitor_message(self._monitor))
+            # Frames first: an engine's last error replies arrive before its disconnect, and
+            # say more than "lost the connection".
             if self._socket in events:
                 while self._socket.poll(0):
-                    self._on_frame(self._socket.recv())
+                    route_reply(self._socket.recv(), self)
+            if self._monitor in events:
+                self._on_monitor_event(zmq.utils.monitor.recv_monitor_message(self._monitor))
         self._send_queued()  # the goodbye may have been queued after the last wake-up
 
     def _send_queued(self) -> None:
@@ -315,46 +304,24 @@ class Client:
         if error is not None:
             self._fail_all(error)
 
-    def _on_frame(self, frame: bytes) -> None:
-        try:
-            message = decode(frame, expected=REPLY_TYPES)
-        except ProtocolError as exc:
-            log.warning("ignored a frame from the engine: %s", exc)
-            return
-        if isinstance(message, Welcome):
-            self._welcome = message
-            self._welcomed.set()
-        elif isinstance(message, Stats):
-            with self._jobs_lock:
-                waiter = self._stats_waiters.popleft() if self._stats_waiters else None
-            if waiter is not None:
-                waiter.put(message)
-        elif isinstance(message, Tokens):
-            with self._jobs_lock:
-                jobs = [self._jobs.get(rid) for rid in message.request_ids]
-            for entry, job in enumerate(jobs):
-                if job is not None:
-                    job._update(functools.partial(JobState.on_tokens, frame=message, entry=entry))
-        elif isinstance(message, PromptLogprobs):
-            self._route(message.request_id, lambda state: state.on_prompt_logprobs(message))
-        elif isinstance(message, Finished):
-            self._route(message.request_id, lambda state: state.on_finished(message))
-        else:
-            assert isinstance(message, Error)
-            error = error_for(message.kind, message.message)
-            if message.request_id is None or not self._route(
-                message.request_id, lambda state: state.on_error(error)
-            ):
-                log.warning("engine error not tied to a job: %s", message.message)
+    # --- ReplySink: what route_reply hands over, on the I/O thread --------------------------
 
-    def _route(self, request_id: int, change: Callable[[JobState], object]) -> bool:
-        """Apply ``change`` to a job's state; forget the job once it is done."""
+    def on_welcome(self, message: Welcome) -> None:
+        self._welcome = message
+        self._welcomed.set()
+
+    def on_stats(self, message: Stats) -> None:
+        with self._jobs_lock:
+            waiter = self._stats_waiters.popleft() if self._stats_waiters else None
+        if waiter is not None:
+            waiter.put(message)
+
+    def update_job(self, request_id: int, change: JobChange) -> bool:
         with self._jobs_lock:
             job = self._jobs.get(request_id)
         if job is None:
             return False
-        job._update(change)
-        if job.done:
+        if job._update(change):
             with self._jobs_lock:
                 self._jobs.pop(request_id, None)
         return True

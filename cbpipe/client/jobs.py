@@ -1,23 +1,42 @@
-"""What both clients share: the request options, the results, and a job's state.
+"""What both clients share: the request options, the results, a job's state, the
+routing of the engine's replies to jobs, and the socket's set-up.
 
 ``JobState`` assembles what the engine sends for one job (tokens, text, log-probabilities,
-finishes, errors) and knows nothing of threads, asyncio or sockets: ``Client`` feeds it from
-its I/O thread, ``AsyncClient`` from its event loop, and each wakes its own waiters.
+finishes, errors) and ``route_reply`` decides which job a frame is for; neither knows of
+threads, asyncio or sockets. ``Client`` feeds them from its I/O thread, ``AsyncClient`` from
+its event loop, and each wakes its own waiters (a ``ReplySink``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, Protocol, TypedDict
 
 import zmq
 
 from cbpipe import env
 from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
-from cbpipe.protocol.messages import ErrorKind, Finished, PromptLogprobs, Tokens
+from cbpipe.protocol.messages import (
+    REPLY_TYPES,
+    Error,
+    ErrorKind,
+    Finished,
+    PromptLogprobs,
+    ProtocolError,
+    Stats,
+    Submit,
+    Tokens,
+    Welcome,
+    decode,
+    encode,
+)
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.security import CurveKeys, uses_curve
+
+log = logging.getLogger("cbpipe.client")
 
 
 class RequestError(ValueError):
@@ -139,6 +158,25 @@ def prompt_payload(prompt: object) -> str | list[int]:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             return token_ids
     raise RequestError("a prompt must be a string or a list of integer token ids")
+
+
+def submit_frame(
+    request_id: int,
+    prompt: object,
+    max_new_tokens: int,
+    options: SamplingOptions,
+    max_frame_bytes: int,
+) -> tuple[SamplingParams, bytes]:
+    """The validated parameters and the encoded ``Submit`` of one job; ``RequestError`` for a
+    bad parameter or prompt, or a frame over the engine's limit."""
+    params = make_params(max_new_tokens, options)
+    frame = encode(Submit(request_id, prompt_payload(prompt), params))
+    if len(frame) > max_frame_bytes:
+        raise RequestError(
+            f"request of {len(frame)} bytes exceeds the engine's frame limit of "
+            f"{max_frame_bytes} bytes"
+        )
+    return params, frame
 
 
 TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), most likely first
@@ -270,3 +308,68 @@ class JobState:
         results = [s.result for s in self.samples]
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+
+# --- routing the engine's replies ------------------------------------------------------------
+
+JobChange = Callable[[JobState], object]
+
+
+class ReplySink(Protocol):
+    """What a client does with the replies ``route_reply`` hands it."""
+
+    def on_welcome(self, message: Welcome) -> None: ...
+
+    def on_stats(self, message: Stats) -> None: ...
+
+    def update_job(self, request_id: int, change: JobChange) -> bool:
+        """Apply ``change`` to the job's state and wake its readers; forget the job once it
+        is done. False when no unfinished job has that id."""
+        ...
+
+
+def route_reply(frame: bytes, sink: ReplySink) -> None:
+    """Decode one frame from the engine and hand it to ``sink``; a frame that cannot be
+    decoded is logged and dropped."""
+    try:
+        message = decode(frame, expected=REPLY_TYPES)
+    except ProtocolError as exc:
+        log.warning("ignored a frame from the engine: %s", exc)
+        return
+    _ROUTES[type(message)](message, sink)
+
+
+def _route_tokens(message: Tokens, sink: ReplySink) -> None:
+    for entry, request_id in enumerate(message.request_ids):
+        sink.update_job(
+            request_id, functools.partial(JobState.on_tokens, frame=message, entry=entry)
+        )
+
+
+def _route_prompt_logprobs(message: PromptLogprobs, sink: ReplySink) -> None:
+    sink.update_job(
+        message.request_id, functools.partial(JobState.on_prompt_logprobs, message=message)
+    )
+
+
+def _route_finished(message: Finished, sink: ReplySink) -> None:
+    sink.update_job(message.request_id, functools.partial(JobState.on_finished, message=message))
+
+
+def _route_error(message: Error, sink: ReplySink) -> None:
+    error = error_for(message.kind, message.message)
+    if message.request_id is None or not sink.update_job(
+        message.request_id, functools.partial(JobState.on_error, error=error)
+    ):
+        log.warning("engine error not tied to a job: %s", message.message)
+
+
+_ROUTES: dict[type, Callable[[Any, ReplySink], None]] = {
+    Welcome: lambda message, sink: sink.on_welcome(message),
+    Stats: lambda message, sink: sink.on_stats(message),
+    Tokens: _route_tokens,
+    PromptLogprobs: _route_prompt_logprobs,
+    Finished: _route_finished,
+    Error: _route_error,
+}
+assert set(_ROUTES) == set(REPLY_TYPES)

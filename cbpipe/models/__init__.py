@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoConfig, Gemma2Config, LlamaConfig, PretrainedConfig, Qwen2Config
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "default"
 RANDOM_PREFIX = "random:"
@@ -39,6 +39,26 @@ def _preset_configs() -> dict[str, PretrainedConfig]:
         # Shapes of Llama 3.2 1B and Llama 3.1 8B.
         "llama-1b": _llama3(hidden=2048, layers=16, heads=32, intermediate=8192, tie=True),
         "llama-8b": _llama3(hidden=4096, layers=32, heads=32, intermediate=14336, tie=False),
+        # Gemma 2 2B's shape: sliding windows of 4096 on every other layer, soft-capped
+        # attention and logits, head_dim 256, query_pre_attn_scalar 256, tied embeddings.
+        "gemma2-2b": Gemma2Config(
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+        ),
         # A second architecture for correctness tests: attention biases, GQA 4:1.
         "qwen2-tiny": Qwen2Config(
             vocab_size=512,
@@ -69,10 +89,6 @@ class ModelSource:
     @property
     def tokenizer_path(self) -> Path | None:
         return self.path
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return int(self.config.max_position_embeddings)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -141,7 +141,7 @@ class StepInputs(Generic[A]):
         _per_seq,
         "prompt length: recomputed rows at or past it are outputs, counted for the penalties",
     )
-    prompt_logprobs: A = _slot_field(
+    has_prompt_logprobs: A = _slot_field(
         "bool", _per_seq, "every row of this sequence gets logits for prompt log-probabilities"
     )
     block_tables: A = _slot_field(
@@ -228,6 +228,11 @@ def _specs() -> tuple[FieldSpec, ...]:
         for f in dataclasses.fields(cls):
             meta = f.metadata
             specs.append(FieldSpec(f.name, meta["dtype"], meta["length"], region, meta["doc"]))
+    # Layouts are keyed by name: one name in two regions would give both views one array.
+    names = [spec.name for spec in specs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise TypeError(f"slot fields named in more than one region: {duplicates}")
     return tuple(specs)
 
 

@@ -42,6 +42,7 @@ class SamplingTable:
     mode_rank: np.ndarray  # the sampler the request needs, ranked as ``_MODE_RANK``
     top_logprobs: np.ndarray  # the request asks for top alternatives
     bias_state: np.ndarray  # the request has logit-bias entries or a min_tokens ban
+    prompt_logprobs: np.ndarray  # the request asks for prompt log-probabilities
 
     @classmethod
     def empty(cls, num_rows: int) -> SamplingTable:
@@ -61,6 +62,7 @@ class SamplingTable:
             mode_rank=column(np.int8),
             top_logprobs=column(np.bool_),
             bias_state=column(np.bool_),
+            prompt_logprobs=column(np.bool_),
         )
 
     def write(self, req: Request) -> None:
@@ -78,6 +80,7 @@ class SamplingTable:
         self.mode_rank[row] = _MODE_RANK[req.sampling_mode]
         self.top_logprobs[row] = bool(p.logprobs)
         self.bias_state[row] = bool(p.logit_bias) or p.min_tokens > 0
+        self.prompt_logprobs[row] = req.prompt_logprobs is not None
 
 
 # Slot fields copied from the table's columns of the same name.
@@ -136,6 +139,10 @@ class BatchPacker:
         num_bias_entries = 0
         if mode is SamplingMode.FULL and self.table.bias_state[rows].any():
             num_bias_entries = self._pack_bias_entries(views, seqs, rows)
+        prompt_logprobs = any(s.prompt_logprobs for s in seqs[num_decodes:])
+        if self.table.prompt_logprobs[rows[:num_decodes]].any():
+            # A prompt chunk of one row sits among the decodes (a budget left at one token).
+            prompt_logprobs |= self._pack_single_row_targets(views, seqs[:num_decodes])
 
         inputs.header[:] = (plan.step, num_tokens, num_seqs, width)
         return Step(
@@ -150,7 +157,7 @@ class BatchPacker:
             carry_from_slot=previous_slot if carries else None,
             sampling=mode,
             top_logprobs=bool(self.table.top_logprobs[rows].any()),
-            prompt_logprobs=any(s.prompt_logprobs for s in seqs[num_decodes:]),
+            prompt_logprobs=prompt_logprobs,
             num_bias_entries=num_bias_entries,
         )
 
@@ -203,6 +210,18 @@ class BatchPacker:
             views.extras.prompt_targets[row : row + len(targets)] = targets
         return end
 
+    def _pack_single_row_targets(
+        self, views: SlotViews[np.ndarray], seqs: list[ScheduledSeq]
+    ) -> bool:
+        """Prompt targets of the one-row sequences (on rows ``0..``) that want prompt
+        log-probabilities; returns whether there was one."""
+        found = False
+        for row, seq in enumerate(seqs):
+            if seq.prompt_logprobs:
+                views.extras.prompt_targets[row] = seq.req.token_at(seq.start + 1)
+                found = True
+        return found
+
     def _pack_sequences(
         self,
         inputs: StepInputs[np.ndarray],
@@ -218,7 +237,7 @@ class BatchPacker:
         inputs.context_lens[:n] = [s.start + s.num_query_tokens for s in seqs]
         inputs.output_index[:n] = [s.output_index for s in seqs]
         inputs.request_row[:n] = rows
-        inputs.prompt_logprobs[:n] = [s.prompt_logprobs for s in seqs]
+        inputs.has_prompt_logprobs[:n] = [s.prompt_logprobs for s in seqs]
         for name in _TABLE_FIELDS:
             getattr(inputs, name)[:n] = getattr(self.table, name)[rows]
         width = max(len(s.req.block_ids) for s in seqs)

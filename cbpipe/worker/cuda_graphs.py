@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps: one per (batch-size bucket, slot, greedy or sampled).
+"""CUDA graphs of decode steps: one per (batch-size bucket, slot, sampling variant).
 
 A step whose sequences each have one query row launches the same kernels whatever its context
 lengths, block tables or carried tokens, as long as it reads all of them from device memory:
@@ -8,7 +8,12 @@ bucket and replayed: a step of ``n`` sequences replays the smallest bucket of at
 rows. One replay costs a few microseconds of host time instead of a launch per kernel, which
 for an 8B model at batch 32 was most of the step (docs/PERFORMANCE.md).
 
-Steps with prefill rows, and steps that need top-k or top-p, run eagerly.
+The variants are greedy and temperature-only sampling at every bucket, and the full sampler
+(``SamplingMode.FULL``: penalties, logit bias, min_p, top-k, top-p) at coarser buckets
+(``full_bucket_sizes``: powers of two from 8, and the largest), each with and without the top
+alternatives and with and without the sort that top-k and top-p need: four full variants at
+six of the 19 buckets of ``--max-num-seqs 256``, so 62 graphs per slot instead of 38.
+Steps with prefill rows or prompt log-probabilities run eagerly.
 
 Without a CUDA stream (the CPU, in tests) nothing is captured: a "graph" is the body bound to
 its fixed sizes and called again at every replay, so the padding logic runs in CI too.
@@ -20,7 +25,7 @@ import bisect
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -40,6 +45,24 @@ class _BoundBody:
         self.replay = body
 
 
+class GraphVariant(NamedTuple):
+    """How a decode body samples: the mode, and for FULL whether it returns the top
+    alternatives and whether it sorts the rows for top-k and top-p."""
+
+    sampling: SamplingMode
+    top_logprobs: bool = False
+    truncation: bool = False
+
+
+GREEDY = GraphVariant(SamplingMode.GREEDY)
+RANDOM = GraphVariant(SamplingMode.RANDOM)
+FULL_VARIANTS = tuple(
+    GraphVariant(SamplingMode.FULL, top, truncation)
+    for top in (False, True)
+    for truncation in (False, True)
+)
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: fine steps where padding costs most, coarser further up.
 
@@ -55,6 +78,18 @@ def bucket_sizes(max_batch: int) -> list[int]:
         size += stride
     sizes.append(max_batch)
     return sorted({s for s in sizes if s <= max_batch})
+
+
+_MIN_FULL_BUCKET = 8
+
+
+def full_bucket_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """The full sampler's buckets: the powers of two from 8 among ``batch_sizes``, and the
+    largest. Padding a decode step costs little (it reads the weights either way), and each
+    bucket is four more graphs per slot."""
+    largest = max(batch_sizes)
+    powers = {b for b in batch_sizes if b >= _MIN_FULL_BUCKET and b & (b - 1) == 0}
+    return sorted(powers | {largest})
 
 
 # Inductor writes each compiled kernel for the sizes of the first call (they become its size
@@ -75,57 +110,74 @@ def tuning_batch(batch_sizes: Sequence[int]) -> int:
 
 class DecodeGraphs:
     def __init__(self) -> None:
-        self._graphs: dict[tuple[int, int, bool], Replayable] = {}
+        self._graphs: dict[tuple[int, int, GraphVariant], Replayable] = {}
         self.batch_sizes: list[int] = []
+        self.full_batch_sizes: list[int] = []
 
     def __len__(self) -> int:
         return len(self._graphs)
 
     def capture(
         self,
-        body: Callable[[SlotT, int, bool], None],  # (slot, batch size, all greedy)
+        body: Callable[[SlotT, int, GraphVariant], None],  # (slot, batch size, variant)
         *,
         batch_sizes: Sequence[int],
         slots: Sequence[SlotT],
         stream: torch.cuda.Stream | None,
         first_batch: int | None = None,
+        full_sampling: bool = True,
     ) -> None:
-        """Capture ``body`` for every bucket, slot and mode, largest first to share one pool.
+        """Capture ``body`` for every bucket, slot and variant, largest first to share one pool.
 
         Each is run once before capture, so lazy initialisation (Triton compilation, cuBLAS
         workspaces) happens outside the graph. The device input buffers hold zeros then
         (``num_seqs`` 0), so every row is padding and no cache block is touched.
-        ``first_batch``: run the body at this batch (both modes, the first slot) before any
+        ``first_batch``: run the body at this batch (every variant, the first slot) before any
         other, uncaptured, for what sets itself up on the first call's sizes.
+        ``full_sampling``: also the full sampler's variants (without: FULL steps run eagerly).
         """
         self.batch_sizes = sorted(batch_sizes)
+        self.full_batch_sizes = full_bucket_sizes(batch_sizes) if full_sampling else []
+        full_variants = FULL_VARIANTS if full_sampling else ()
+        variants = {batch: [GREEDY, RANDOM] for batch in self.batch_sizes}
+        for batch in self.full_batch_sizes:
+            variants[batch] = variants.get(batch, []) + list(full_variants)
         if first_batch is not None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for all_greedy in (True, False):
-                    body(slots[0], first_batch, all_greedy)
+                for variant in (GREEDY, RANDOM, *full_variants):
+                    body(slots[0], first_batch, variant)
         pool = torch.cuda.graph_pool_handle() if stream is not None else None
-        for batch in reversed(self.batch_sizes):
-            for all_greedy in (True, False):
+        for batch in sorted(variants, reverse=True):
+            for variant in variants[batch]:
                 for index, slot in enumerate(slots):
-                    bound = functools.partial(body, slot, batch, all_greedy)
+                    bound = functools.partial(body, slot, batch, variant)
                     if stream is None:
-                        self._graphs[batch, index, all_greedy] = _BoundBody(bound)
+                        self._graphs[batch, index, variant] = _BoundBody(bound)
                     else:
-                        self._graphs[batch, index, all_greedy] = _capture(bound, stream, pool)
+                        self._graphs[batch, index, variant] = _capture(bound, stream, pool)
         if stream is not None:
             torch.cuda.synchronize()
 
-    def find(self, step: Step) -> Replayable | None:
-        """The graph that runs ``step``, or None if it must run eagerly."""
+    def find(self, step: Step, *, truncation: bool = False) -> Replayable | None:
+        """The graph that runs ``step``, or None if it must run eagerly.
+
+        ``truncation``: some sequence of a FULL step has top-k or top-p (the worker reads it
+        from the slot; the step message does not say).
+        """
         if not self._graphs or step.num_single_token_seqs != step.num_seqs:
             return None
+        if step.prompt_logprobs:
+            return None
         if step.sampling is SamplingMode.FULL:
+            sizes = self.full_batch_sizes  # none: FULL steps run eagerly
+            variant = GraphVariant(SamplingMode.FULL, step.top_logprobs, truncation)
+        else:
+            sizes = self.batch_sizes
+            variant = GREEDY if step.sampling is SamplingMode.GREEDY else RANDOM
+        index = bisect.bisect_left(sizes, step.num_seqs)  # the smallest that fits
+        if index == len(sizes):
             return None
-        index = bisect.bisect_left(self.batch_sizes, step.num_seqs)  # the smallest that fits
-        if index == len(self.batch_sizes):
-            return None
-        all_greedy = step.sampling is SamplingMode.GREEDY
-        return self._graphs[self.batch_sizes[index], step.slot, all_greedy]
+        return self._graphs[sizes[index], step.slot, variant]
 
 
 def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) -> Replayable:

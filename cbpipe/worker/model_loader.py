@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from cbpipe.config import CacheConfig
 from cbpipe.models import ModelSource
-from cbpipe.worker.attention import KVCache
+from cbpipe.models.support import check_config
+from cbpipe.worker.attention import KVCache, ModelAttention, StepBinding, probe_model, register
 from cbpipe.worker.fused_projections import fuse_projections
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,12 @@ def load_model(
     dtype: torch.dtype,
     *,
     seed: int = 0,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = "sdpa",
     fuse: bool = False,
 ) -> PreTrainedModel:
     """The model in eval mode on ``device``; presets get seeded random weights made there.
+
+    ``attn_implementation`` None lets transformers choose (SDPA where the model supports it).
 
     ``fuse`` joins sibling projections into one product each (``fused_projections``).
     """
@@ -60,22 +63,44 @@ def load_model(
     return model
 
 
-def kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a transformers decoder config."""
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+def load_paged_model(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
+    fuse: bool = False,
+    max_model_len: int | None = None,
+) -> tuple[PreTrainedModel, ModelAttention]:
+    """The model with paged attention plugged in, and its attention as the probe found it.
+
+    Raises ``UnsupportedModel`` (naming the architecture and the reason) for a model paged
+    attention would serve wrongly: from its configuration before any weight is loaded, then
+    from a probe forward of the loaded model.
+    """
+    check_config(source.config, max_model_len)
+    binding = StepBinding()
+    model = load_model(
+        source, device, dtype, seed=seed, attn_implementation=register(binding), fuse=fuse
+    )
+    attention = probe_model(model, binding)
+    log.info("%s: %d attention layers, %s", source.name, attention.num_layers,
+             attention.describe())  # fmt: skip
+    return model, attention
+
+
+def kv_shape(attention: ModelAttention) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the cache the model's attention layers need."""
+    return attention.num_layers, attention.num_kv_heads, attention.head_dim
 
 
 def num_kv_blocks(
-    model: PreTrainedModel, cache: CacheConfig, device: torch.device, dtype: torch.dtype
+    attention: ModelAttention, cache: CacheConfig, device: torch.device, dtype: torch.dtype
 ) -> int:
     """Blocks to allocate: ``--num-blocks``, else what the device has room for."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    layers, kv_heads, head_dim = kv_shape(model)
+    layers, kv_heads, head_dim = kv_shape(attention)
     block_bytes = 2 * layers * cache.block_size * kv_heads * head_dim * dtype.itemsize
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -89,13 +114,13 @@ def num_kv_blocks(
 
 
 def allocate_kv_cache(
-    model: PreTrainedModel,
+    attention: ModelAttention,
     num_blocks: int,
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
 ) -> KVCache:
-    layers, kv_heads, head_dim = kv_shape(model)
+    layers, kv_heads, head_dim = kv_shape(attention)
     shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)  # + the padding block
     keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
     values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]

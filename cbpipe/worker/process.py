@@ -22,6 +22,7 @@ import zmq
 from cbpipe.collector import CollectorPacing
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
+from cbpipe.models.support import UnsupportedModel
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.messages import (
     Message,
@@ -37,12 +38,13 @@ from cbpipe.worker import attention
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
-    load_model,
+    load_paged_model,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
 )
-from cbpipe.worker.runner import LaunchedStep, StepRunner
+from cbpipe.worker.runner import LaunchedStep, StepRunner, logits_width
+from cbpipe.worker.sampling_state import SamplingState
 
 log = logging.getLogger("cbpipe.worker")
 
@@ -72,6 +74,12 @@ def worker_main(spec: RunSpec, ready: Connection) -> None:
         outbox.put(hello)
         ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
         _serve(steps, runner, outbox)
+    except UnsupportedModel as exc:  # the reason is the whole story: no traceback
+        # The launcher first, so that its message is this one rather than the scheduler's
+        # (which fails too, on the WorkerFailed below).
+        ready.send(("failed", str(exc)))
+        outbox.put(WorkerFailed(str(exc)))
+        raise SystemExit(1) from None
     except Exception as exc:
         log.exception("worker failed")
         outbox.put(WorkerFailed(f"{type(exc).__name__}: {exc}"))
@@ -97,16 +105,25 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         # Leave a core to the scheduler: the overlap we exist for is between processes.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     source = resolve_model(config.model.model)
-    model = load_model(
+    model, paged = load_paged_model(
         source,
         device,
         dtype,
         seed=config.model.seed,
-        attn_implementation=attention.register(),
         fuse=config.worker.fuse_projections,
+        max_model_len=config.model.max_model_len,
     )
-    num_blocks = num_kv_blocks(model, config.cache, device, dtype)
-    kv_cache = allocate_kv_cache(model, num_blocks, config.cache.block_size, device, dtype)
+    # The full sampler's per-request rows come out of the memory the KV cache is sized from.
+    vocab = logits_width(model)
+    state = SamplingState.allocate(spec.layout.limits.max_seqs, vocab, device)
+    log.info(
+        "sampling state: %d request rows of %d tokens, %.1f MB",
+        spec.layout.limits.max_seqs,
+        vocab,
+        SamplingState.nbytes(spec.layout.limits.max_seqs, vocab) / 1e6,
+    )
+    num_blocks = num_kv_blocks(paged, config.cache, device, dtype)
+    kv_cache = allocate_kv_cache(paged, num_blocks, config.cache.block_size, device, dtype)
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
     decode_kernel = attention.load_decode_kernel(config.worker.attention_backend, device)
     graph_sizes: list[int] = []
@@ -115,6 +132,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
     runner = StepRunner(
         model,
+        paged,
         kv_cache,
         spec.layout,
         segment.buf,
@@ -125,6 +143,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         ),
         graph_batch_sizes=graph_sizes,
         compile_decode=config.worker.compile_decode and bool(graph_sizes),
+        sampling_state=state,
     )
     hello = WorkerReady(
         model=source.name,

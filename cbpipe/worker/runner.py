@@ -24,13 +24,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from cbpipe.protocol.messages import SamplingMode, Step, StepDone
+from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
     HEADER_FIELDS,
     FieldLayout,
@@ -39,12 +40,30 @@ from cbpipe.protocol.slots import (
     StepExtras,
     StepInputs,
     StepOutputs,
+    numpy_views,
 )
-from cbpipe.worker.attention import DecodeKernel, KVCache, PagedStep, PrefillKernel
-from cbpipe.worker.cuda_graphs import DecodeGraphs, tuning_batch
-from cbpipe.worker.sampler import SamplingInputs, sample
+from cbpipe.worker.attention import (
+    DecodeGraphStep,
+    DecodeKernel,
+    KVCache,
+    ModelAttention,
+    PagedStep,
+    PrefillKernel,
+    StepAttention,
+)
+from cbpipe.worker.cuda_graphs import DecodeGraphs, GraphVariant, Replayable, tuning_batch
+from cbpipe.worker.sampler import (
+    FullSample,
+    FullSamplingInputs,
+    SamplingInputs,
+    prompt_logprobs,
+    sample,
+    sample_full,
+)
+from cbpipe.worker.sampling_state import SamplingState
 
 Sampler = Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]]
+FullSampler = Callable[..., FullSample]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +111,27 @@ class SlotBuffers:
     extras: StepExtras[torch.Tensor]
     outputs: StepOutputs[torch.Tensor]
     header: np.ndarray  # host header, read to check the slot holds the announced step
+    # The host input region as numpy arrays: the worker reads a few per-sequence fields of
+    # FULL and prompt log-probability steps there (``StepFacts``), before the H2D copy.
+    host_inputs: StepInputs[np.ndarray]
+
+
+class StepFacts(NamedTuple):
+    """What the launch of a FULL or prompt log-probability step reads from the host slot
+    (which is the worker's from the step message until its H2D copy), to size its device
+    work without reading device memory."""
+
+    num_restarts: int = 0  # sequences whose rows start at position 0: their state is reset
+    truncation: bool = False  # some sequence has top-k or top-p: the sampler sorts
+    num_logits_rows: int = 0  # with prompt log-probabilities: rows that need logits
+
+
+def logits_width(model: PreTrainedModel) -> int:
+    """Logits per row: the output embedding's rows (the configuration's vocabulary)."""
+    head = model.get_output_embeddings()
+    if head is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
 
 
 class DeviceClock:
@@ -149,6 +189,7 @@ class StepRunner:
     def __init__(
         self,
         model: PreTrainedModel,
+        attention: ModelAttention,
         kv_cache: KVCache,
         layout: SlotLayout,
         segment: memoryview,
@@ -158,14 +199,24 @@ class StepRunner:
         prefill_kernel: PrefillKernel | None = None,
         graph_batch_sizes: Sequence[int] = (),
         compile_decode: bool = False,
+        sampling_state: SamplingState | None = None,
+        full_sampling_graphs: bool = True,
     ) -> None:
-        """``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
+        """``attention``: the model's layers as the load-time probe found them, and the binding
+        through which each step's attention reaches them.
+
+        ``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
 
         On the CPU they are not captured but run as the same fixed-size body (for tests).
         ``compile_decode``: run the graphs' forward through ``torch.compile``, which fuses the
         small element-wise kernels between the matrix products and the attention op.
+        ``sampling_state``: the per-request rows of the full sampler; the worker allocates it
+        before sizing the KV cache, and a runner without one allocates its own.
+        ``full_sampling_graphs``: capture the full sampler's decode variants too (without:
+        FULL steps run eagerly; for measuring what they cost).
         """
         self.model = model
+        self.attention = attention
         self.kv_cache = kv_cache
         self.layout = layout
         self.device = device
@@ -195,8 +246,15 @@ class StepRunner:
         # Sampling too: its reductions over the vocabulary fuse into a kernel or two. Only in
         # graphs, whose variants (greedy or not, no top-k/top-p) all compile at capture.
         self._decode_sample = _compile(sample) if compile_decode else sample
-        heads = model.config.get_text_config().num_attention_heads
-        self.kv_group_size = heads // kv_cache.keys[0].shape[1]  # query heads per KV head
+        self._full_sample: FullSampler = _compile(sample_full) if compile_decode else sample_full
+        self.vocab = logits_width(model)
+        if sampling_state is None:
+            sampling_state = SamplingState.allocate(layout.limits.max_seqs, self.vocab, device)
+        if sampling_state.vocab != self.vocab:
+            raise ValueError(
+                f"sampling state for {sampling_state.vocab} tokens, model of {self.vocab}"
+            )
+        self.state = sampling_state
         max_seqs = layout.limits.max_seqs
         # The sampled ids of the step launched last; the next step's carry-over reads them,
         # ordered after the write by the compute stream.
@@ -209,7 +267,7 @@ class StepRunner:
         if self.cuda and (decode_kernel is not None or prefill_kernel is not None):
             self.warm_up()
         if graph_batch_sizes:
-            self._capture_graphs(graph_batch_sizes)
+            self._capture_graphs(graph_batch_sizes, full_sampling_graphs)
 
     def warm_up(self) -> None:
         """Run eager steps of every shape class a server meets, before it serves.
@@ -287,7 +345,7 @@ class StepRunner:
         )
         self._compute(step, self.slots[0])
 
-    def _capture_graphs(self, batch_sizes: Sequence[int]) -> None:
+    def _capture_graphs(self, batch_sizes: Sequence[int], full_sampling: bool) -> None:
         if max(batch_sizes) > self.layout.limits.max_seqs:
             raise ValueError(
                 f"graph batch sizes {list(batch_sizes)} exceed the slots' "
@@ -295,16 +353,18 @@ class StepRunner:
             )
         started = time.perf_counter()
         self.graphs.capture(
-            self._decode_graph_body,
+            self._graph_body,
             batch_sizes=batch_sizes,
             slots=self.slots,
             stream=self.compute_stream,
             first_batch=tuning_batch(batch_sizes) if self._compiled else None,
+            full_sampling=full_sampling,
         )
         log.info(
-            "captured %d decode graphs (batch sizes %s) in %.1f s",
+            "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s",
             len(self.graphs),
             self.graphs.batch_sizes,
+            self.graphs.full_batch_sizes,
             time.perf_counter() - started,
         )
 
@@ -322,6 +382,7 @@ class StepRunner:
             # valid indices), before any step has written them.
             regions[name] = (region, torch.zeros_like(region, device=self.device))
         header = regions["inputs"][0][: layout.fields["header"].nbytes].numpy().view(np.int64)
+        host_inputs = numpy_views(host.numpy().data, layout, slot).inputs
         return SlotBuffers(
             *(regions[name][0] for name in ("inputs", "extras", "outputs")),
             *(regions[name][1] for name in ("inputs", "extras", "outputs")),
@@ -329,6 +390,7 @@ class StepRunner:
             _typed_views(regions["extras"][1], layout, StepExtras, "extras"),
             _typed_views(regions["outputs"][1], layout, StepOutputs, "outputs"),
             header,
+            host_inputs,
         )
 
     def recalibrate_clock(self) -> None:
@@ -361,8 +423,11 @@ class StepRunner:
                 f"step {step.step} carries over from slot {step.carry_from_slot}, "
                 f"but the step launched last used slot {self._last_slot}"
             )
+        if step.top_logprobs and step.sampling is not SamplingMode.FULL:
+            raise RuntimeError(f"step {step.step} asks for top alternatives outside FULL mode")
         self._last_slot = step.slot
-        graph = self.graphs.find(step)
+        facts = self._step_facts(step, slot)
+        graph = self.graphs.find(step, truncation=facts.truncation)
         used = self.layout.input_nbytes_used(step.num_seqs, step.block_table_width)
         k = step.slot
         with self._on(self.h2d_stream):
@@ -378,9 +443,11 @@ class StepRunner:
             self._record(compute_start)
             start_ns = time.perf_counter_ns()
             if graph is not None:
+                if step.sampling is SamplingMode.FULL:
+                    self._prepare_state(step, slot, facts.num_restarts)
                 graph.replay()
             else:
-                self._compute(step, slot)
+                self._compute(step, slot, facts)
             end_ns = time.perf_counter_ns()
             self._record(compute_end)
             self._record(self.compute_done[k])
@@ -416,9 +483,50 @@ class StepRunner:
             end = start + count * f.itemsize
             slot.device_extras[start:end].copy_(slot.host_extras[start:end], non_blocking=True)
 
+    def graph_for(self, step: Step) -> Replayable | None:
+        """The graph ``launch`` would replay for ``step`` (packed in its slot), or None."""
+        slot = self.slots[step.slot]
+        return self.graphs.find(step, truncation=self._step_facts(step, slot).truncation)
+
+    def _step_facts(self, step: Step, slot: SlotBuffers) -> StepFacts:
+        """Read what a FULL or prompt log-probability step's launch needs from the host slot."""
+        full = step.sampling is SamplingMode.FULL
+        if not full and not step.prompt_logprobs:
+            return StepFacts()
+        host = slot.host_inputs
+        s = step.num_seqs
+        query_start = host.query_start[: s + 1]
+        num_restarts, truncation, num_rows = 0, False, 0
+        if full:
+            num_restarts = int(np.count_nonzero(host.positions[query_start[:-1]] == 0))
+            top_k = host.top_k[:s]
+            truncation = bool(((top_k > 0) & (top_k < self.vocab)).any())
+            truncation = truncation or bool((host.top_p[:s] < 1.0).any())
+        if step.prompt_logprobs:
+            lengths = np.diff(query_start)
+            num_rows = int(np.where(host.has_prompt_logprobs[:s], lengths, 1).sum())
+        return StepFacts(num_restarts, truncation, num_rows)
+
+    def _prepare_state(self, step: Step, slot: SlotBuffers, num_restarts: int) -> None:
+        """Before a FULL step's rows are counted: reset the rows of the sequences that start
+        at position 0, then apply the step's logit-bias entries (``sampling_state``). Eager
+        and sized by host integers, also before a graph replay: both are rare."""
+        inputs, s = slot.inputs, step.num_seqs
+        if num_restarts:
+            first_positions = inputs.positions[inputs.query_start[:s].long()]
+            restarts = (first_positions == 0).to(torch.int8)
+            order = torch.sort(restarts, descending=True, stable=True).indices[:num_restarts]
+            self.state.reset(inputs.request_row[:s][order].long())
+        if step.num_bias_entries:
+            n, extras = step.num_bias_entries, slot.extras
+            self.state.apply_bias(
+                extras.bias_rows[:n], extras.bias_token_ids[:n], extras.bias_values[:n]
+            )
+
     @torch.inference_mode()
-    def _compute(self, step: Step, slot: SlotBuffers) -> None:
+    def _compute(self, step: Step, slot: SlotBuffers, facts: StepFacts | None = None) -> None:
         """Any step, eagerly; shapes follow the step's sizes."""
+        facts = facts or StepFacts()
         t, s = step.num_tokens, step.num_seqs
         inputs = slot.inputs
         input_ids = self._carry_over(inputs, t, valid=None)
@@ -436,21 +544,103 @@ class StepRunner:
             num_single_token_seqs=step.num_single_token_seqs,
             max_query_len=step.max_query_len,
             max_context_len=step.max_context_len,
-            kv_group_size=self.kv_group_size,
+            kv_group_size=self.attention.kv_group_size,
+            windows=self.attention.windows,
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
         )
-        # Only each sequence's last row needs logits; a decode-only step needs them all.
-        decode_only = step.num_single_token_seqs == s
-        logits_rows = 0 if decode_only else query_start[1:].long() - 1
-        logits = self._forward(self.model, input_ids, positions, paged, logits_rows)
-        self._sample(
-            slot,
-            logits,
-            s,
-            step.sampling is SamplingMode.GREEDY,
-            step.sampling is SamplingMode.FULL,
-        )
+        full = step.sampling is SamplingMode.FULL
+        seq_of_row = rows = None
+        if full or step.prompt_logprobs:
+            lengths = query_start[1:] - query_start[:-1]
+            seq_of_row = torch.repeat_interleave(self._row_ids[:s], lengths, output_size=t)
+        if full:
+            assert seq_of_row is not None
+            rows = self._count_step_inputs(step, slot, facts, input_ids, seq_of_row)
+        logits = self._eager_logits(step, slot, facts, input_ids, paged, seq_of_row)
+        if rows is not None:
+            self._sample_full(slot, logits, s, rows, facts.truncation, step.top_logprobs)
+        else:
+            self._sample(slot, logits, s, step.sampling is SamplingMode.GREEDY)
+
+    def _count_step_inputs(
+        self,
+        step: Step,
+        slot: SlotBuffers,
+        facts: StepFacts,
+        input_ids: torch.Tensor,  # [num_tokens], after carry-over
+        seq_of_row: torch.Tensor,  # [num_tokens]
+    ) -> torch.Tensor:
+        """A FULL step's state before sampling: resets, bias entries, the rows' tokens.
+        Returns each sequence's state row."""
+        inputs, t, s = slot.inputs, step.num_tokens, step.num_seqs
+        rows = inputs.request_row[:s].long()
+        self._prepare_state(step, slot, facts.num_restarts)
+        num_prompt = inputs.num_prompt_tokens[:s][seq_of_row]
+        self.state.count_inputs(rows[seq_of_row], input_ids, inputs.positions[:t], num_prompt)
+        return rows
+
+    def _eager_logits(
+        self,
+        step: Step,
+        slot: SlotBuffers,
+        facts: StepFacts,
+        input_ids: torch.Tensor,
+        paged: PagedStep,
+        seq_of_row: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The forward; logits ``[num_seqs, vocab]`` of each sequence's last row. Only those
+        rows get logits (a decode-only step needs them all), and with prompt
+        log-probabilities every row of the sequences that ask for them, whose log-probabilities
+        are written here."""
+        inputs, t, s = slot.inputs, step.num_tokens, step.num_seqs
+        positions = inputs.positions[:t]
+        if not step.prompt_logprobs:
+            decode_only = step.num_single_token_seqs == s
+            logits_rows = 0 if decode_only else inputs.query_start[1 : s + 1].long() - 1
+            return self._forward(self.model, input_ids, positions, paged, logits_rows)
+        assert seq_of_row is not None
+        kept, last = self._prompt_logits_rows(inputs, seq_of_row, s, facts.num_logits_rows)
+        logits = self._forward(self.model, input_ids, positions, paged, kept)
+        self._write_prompt_logprobs(slot, logits, kept)
+        return logits[last]
+
+    def _prompt_logits_rows(
+        self,
+        inputs: StepInputs[torch.Tensor],
+        seq_of_row: torch.Tensor,  # [num_tokens]
+        num_seqs: int,
+        num_rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that need logits, ascending (every row of the sequences with prompt
+        log-probabilities, the last row of the others; ``num_rows`` of them, counted on the
+        host), and where each sequence's last row is among them."""
+        last_rows = inputs.query_start[1 : num_seqs + 1].long() - 1
+        keep = inputs.has_prompt_logprobs[:num_seqs][seq_of_row]
+        keep = keep.index_fill(0, last_rows, True)  # [num_tokens]
+        # A stable sort puts the kept rows first, in their order: no host synchronisation.
+        kept = torch.sort((~keep).to(torch.int8), stable=True).indices[:num_rows]
+        last = keep.cumsum(0)[last_rows] - 1
+        return kept, last
+
+    def _write_prompt_logprobs(
+        self, slot: SlotBuffers, logits: torch.Tensor, kept: torch.Tensor
+    ) -> None:
+        """Log-probabilities of each kept row's prompt target, and its top alternatives, at
+        the row's index in the output fields (rows that are not prompt rows are written too,
+        and not read)."""
+        targets = slot.extras.prompt_targets[kept].clamp(0, self.vocab - 1)
+        logprobs, top_ids, top_logprobs = prompt_logprobs(logits, targets)
+        out, k = slot.outputs, MAX_TOP_LOGPROBS
+        out.prompt_logprobs.index_copy_(0, kept, logprobs)
+        out.prompt_top_ids.view(-1, k).index_copy_(0, kept, top_ids)
+        out.prompt_top_logprobs.view(-1, k).index_copy_(0, kept, top_logprobs)
+
+    def _graph_body(self, slot: SlotBuffers, batch: int, variant: GraphVariant) -> None:
+        if variant.sampling is SamplingMode.FULL:
+            self._full_graph_body(slot, batch, variant)
+        else:
+            self._decode_graph_body(slot, batch, variant.sampling is SamplingMode.GREEDY)
 
     @torch.inference_mode()
     def _decode_graph_body(self, slot: SlotBuffers, batch: int, all_greedy: bool) -> None:
@@ -460,23 +650,50 @@ class StepRunner:
         device copy; padding rows write their keys to the cache's padding block and attend
         nothing, and their samples land past the ``num_seqs`` rows anyone reads.
         """
+        logits, _, _ = self._decode_forward(slot, batch)
+        self._sample(slot, logits, batch, all_greedy, sampler=self._decode_sample)
+
+    @torch.inference_mode()
+    def _full_graph_body(self, slot: SlotBuffers, batch: int, variant: GraphVariant) -> None:
+        """``_decode_graph_body`` with the full sampler: the rows' tokens are counted first
+        (a sequence of one prompt row may be new), and padding rows use the spare state row.
+        The resets and bias entries of the step ran before the replay (``_prepare_state``)."""
+        logits, valid, input_ids = self._decode_forward(slot, batch)
+        inputs = slot.inputs
+        rows = torch.where(valid, inputs.request_row[:batch].long(), self.state.spare_row)
+        positions = inputs.positions[:batch]
+        self.state.count_inputs(rows, input_ids, positions, inputs.num_prompt_tokens[:batch])
+        self._sample_full(
+            slot,
+            logits,
+            batch,
+            rows,
+            variant.truncation,
+            variant.top_logprobs,
+            valid,
+            sampler=self._full_sample,
+        )
+
+    def _decode_forward(
+        self, slot: SlotBuffers, batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forward of a padded decode-only step: logits ``[batch, vocab]``, which rows are
+        real (``[batch]`` bool) and the rows' input ids after carry-over."""
         inputs = slot.inputs
         valid = self._row_ids[:batch] < inputs.header[_NUM_SEQS]  # [batch]
         input_ids = self._carry_over(inputs, batch, valid)
         slot_mapping = torch.where(valid, inputs.slot_mapping[:batch], self.kv_cache.padding_slot)
         context_lens = torch.where(valid, inputs.context_lens[:batch], 0)
-        paged = PagedStep.decode_only(
+        paged = DecodeGraphStep(
             self.kv_cache,
-            slot_mapping=slot_mapping,
-            context_lens=context_lens,
-            block_tables=inputs.block_tables,
-            block_table_width=inputs.header[_WIDTH : _WIDTH + 1],
+            slot_mapping,
+            context_lens,
+            inputs.block_tables,
+            inputs.header[_WIDTH : _WIDTH + 1],
         )
         positions = inputs.positions[:batch]
         logits = self._forward(self._decode_model, input_ids, positions, paged, logits_rows=0)
-        self._sample(
-            slot, logits, batch, all_greedy, needs_top_k_top_p=False, sampler=self._decode_sample
-        )
+        return logits, valid, input_ids
 
     def _carry_over(
         self, inputs: StepInputs[torch.Tensor], num_rows: int, valid: torch.Tensor | None
@@ -488,21 +705,23 @@ class StepRunner:
         carried = self.last_sampled[inputs.carry_src[:num_rows].long()]
         return torch.where(carry, carried, inputs.input_ids[:num_rows])
 
-    @staticmethod
     def _forward(
+        self,
         model: torch.nn.Module,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        paged: PagedStep,
+        paged: StepAttention,
         logits_rows: torch.Tensor | int,
     ) -> torch.Tensor:
-        return model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            logits_to_keep=logits_rows,
-            use_cache=False,
-            paged=paged,
-        ).logits[0]
+        # The step reaches every layer's attention through the binding, whatever the model's
+        # layers pass on (attention/binding.py); it is unbound when the forward returns.
+        with self.attention.binding.bind(paged):
+            return model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                logits_to_keep=logits_rows,
+                use_cache=False,
+            ).logits[0]
 
     def _sample(
         self,
@@ -510,7 +729,6 @@ class StepRunner:
         logits: torch.Tensor,  # [num_seqs, vocab]
         num_seqs: int,
         all_greedy: bool,
-        needs_top_k_top_p: bool,
         sampler: Sampler = sample,
     ) -> None:
         inputs = slot.inputs
@@ -518,17 +736,62 @@ class StepRunner:
             logits,
             SamplingInputs(
                 temperature=inputs.temperature[:num_seqs],
-                top_p=inputs.top_p[:num_seqs],
-                top_k=inputs.top_k[:num_seqs],
                 seed=inputs.seed[:num_seqs],
                 output_index=inputs.output_index[:num_seqs],
                 all_greedy=all_greedy,
-                needs_top_k_top_p=needs_top_k_top_p,
             ),
         )
         slot.outputs.sampled_ids[:num_seqs].copy_(ids)
         slot.outputs.sampled_logprobs[:num_seqs].copy_(logprobs)
         self.last_sampled[:num_seqs].copy_(ids)
+
+    def _sample_full(
+        self,
+        slot: SlotBuffers,
+        logits: torch.Tensor,  # [num_seqs, vocab]
+        num_seqs: int,
+        rows: torch.Tensor,  # [num_seqs] int64 state rows (the spare row for padding)
+        truncation: bool,
+        top_logprobs: bool,
+        valid: torch.Tensor | None = None,  # [num_seqs] bool in a padded graph body
+        sampler: FullSampler = sample_full,
+    ) -> None:
+        """The full sampler, its outputs, and the sampled tokens counted in the state."""
+        inputs, n, state = slot.inputs, num_seqs, self.state
+        result = sampler(
+            logits,
+            state.bias,
+            state.output_counts,
+            state.seen,
+            FullSamplingInputs(
+                temperature=inputs.temperature[:n],
+                top_p=inputs.top_p[:n],
+                top_k=inputs.top_k[:n],
+                min_p=inputs.min_p[:n],
+                presence_penalty=inputs.presence_penalty[:n],
+                frequency_penalty=inputs.frequency_penalty[:n],
+                repetition_penalty=inputs.repetition_penalty[:n],
+                seed=inputs.seed[:n],
+                output_index=inputs.output_index[:n],
+                rows=rows,
+                truncation=truncation,
+                top_logprobs=top_logprobs,
+            ),
+        )
+        out = slot.outputs
+        out.sampled_ids[:n].copy_(result.ids)
+        out.sampled_logprobs[:n].copy_(result.logprobs)
+        if result.top_ids is not None and result.top_logprobs is not None:
+            k = MAX_TOP_LOGPROBS
+            out.top_ids[: n * k].view(n, k).copy_(result.top_ids)
+            out.top_logprobs[: n * k].view(n, k).copy_(result.top_logprobs)
+        self.last_sampled[:n].copy_(result.ids)
+        # A sequence samples an output when its rows reach the end of its tokens.
+        context_lens = inputs.context_lens[:n]
+        samples = context_lens == inputs.num_prompt_tokens[:n] + inputs.output_index[:n]
+        if valid is not None:
+            samples = samples & valid
+        state.count_sampled(rows, result.ids, context_lens, samples)
 
     # --- stream helpers that do nothing on the CPU ----------------------------------------
 

@@ -1,4 +1,10 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Sampling on the device: greedy, temperature, and the full processing chain, seeded.
+
+Three samplers, one per ``SamplingMode``: ``cbpipe::greedy_sample`` (argmax of the raw logits
+and its log-probability), ``sample`` (temperature only; greedy rows where it is 0) and
+``sample_full`` (logit bias and bans, penalties, temperature, min_p, top-k, top-p, top
+alternatives). ``sample_full`` of a row that uses none of its processing draws exactly what
+``sample`` draws for it, so a seeded request gets the same tokens whatever shares its step.
 
 Randomness comes from a counter-based hash of ``(seed, output_index, token_id)`` rather than a
 generator with state, so a request's draw for its i-th output token is the same whatever else
@@ -9,8 +15,11 @@ with 32-bit values and multipliers below 2**31, so no product overflows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 
 _MASK32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D
@@ -23,12 +32,9 @@ class SamplingInputs:
     """Per-sequence sampling parameters, all ``[num_seqs]`` device tensors."""
 
     temperature: torch.Tensor  # float32; 0 means greedy
-    top_p: torch.Tensor  # float32
-    top_k: torch.Tensor  # int32; 0 keeps all
     seed: torch.Tensor  # int64
     output_index: torch.Tensor  # int32
     all_greedy: bool
-    needs_top_k_top_p: bool
 
 
 def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +47,6 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
     piece_max, row_max, greedy = _max_and_argmax(pieces)
     temperature = inputs.temperature.clamp_min(1e-6)[:, None]
     scaled = logits / temperature
-    if inputs.needs_top_k_top_p:
-        scaled = _apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p)
     # Gumbel-max: argmax(log p + Gumbel) is a sample from p; -log(E) with E ~ Exp(1).
     uniform = _uniform(inputs.seed, inputs.output_index, logits.shape[-1])
     gumbel = -torch.log(-torch.log(uniform))
@@ -52,6 +56,131 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
     # log p = logit - logsumexp, the logsumexp from the same pieces as the maximum, instead of
     # a whole log-softmax written out and gathered from.
     return ids, chosen - _logsumexp(pieces, piece_max, row_max)
+
+
+@dataclass
+class FullSamplingInputs:
+    """Per-sequence parameters of ``sample_full``, ``[num_seqs]`` device tensors, with each
+    sequence's row in the per-request state (``sampling_state.SamplingState``)."""
+
+    temperature: torch.Tensor  # float32; 0 means greedy (argmax of the processed logits)
+    top_p: torch.Tensor  # float32; 1 keeps all
+    top_k: torch.Tensor  # int32; 0 keeps all
+    min_p: torch.Tensor  # float32; 0 keeps all
+    presence_penalty: torch.Tensor  # float32
+    frequency_penalty: torch.Tensor  # float32
+    repetition_penalty: torch.Tensor  # float32; 1 changes nothing
+    seed: torch.Tensor  # int64
+    output_index: torch.Tensor  # int32
+    rows: torch.Tensor  # int64 request rows (the spare row for padding)
+    truncation: bool  # some row has top-k or top-p: sort the rows
+    top_logprobs: bool  # return each row's most likely tokens
+
+
+class FullSample(NamedTuple):
+    ids: torch.Tensor  # [num_seqs] int64
+    logprobs: torch.Tensor  # [num_seqs] float32, of the raw distribution
+    top_ids: torch.Tensor | None  # [num_seqs, MAX_TOP_LOGPROBS] int32, best first
+    top_logprobs: torch.Tensor | None  # [num_seqs, MAX_TOP_LOGPROBS] float32
+
+
+def sample_full(
+    logits: torch.Tensor,  # [num_seqs, vocab]
+    bias: torch.Tensor,  # [state rows, vocab] float32
+    output_counts: torch.Tensor,  # [state rows, vocab] int32
+    seen: torch.Tensor,  # [state rows, vocab] bool
+    inputs: FullSamplingInputs,
+) -> FullSample:
+    """Sample with every per-request feature, in vLLM's order: logit bias (and bans), the
+    penalties, temperature, min_p, top-k, top-p, then the seeded Gumbel-max draw of
+    ``sample``; greedy rows take the argmax of the processed logits. Log-probabilities (of
+    the sampled token, and the top alternatives) are those of the raw logits.
+
+    Pure (the state tensors are only read), so ``torch.compile`` fuses the element-wise chain.
+    """
+    x = logits.float()  # [num_seqs, vocab]
+    pieces = _pieces(x)
+    piece_max, row_max, _ = _max_and_argmax(pieces)
+    lse = _logsumexp(pieces, piece_max, row_max)  # [num_seqs], raw
+    rows = inputs.rows
+    processed = apply_penalties(
+        x + bias[rows],
+        output_counts[rows],
+        seen[rows],
+        presence=inputs.presence_penalty,
+        frequency=inputs.frequency_penalty,
+        repetition=inputs.repetition_penalty,
+    )
+    greedy = _max_and_argmax(_pieces(processed))[2]
+    # As ``sample`` computes it, so a row without processing draws what it draws there.
+    scaled = processed / inputs.temperature.clamp_min(1e-6)[:, None]
+    scaled = apply_min_p(scaled, inputs.min_p)
+    if inputs.truncation:
+        scaled = _apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p)
+    uniform = _uniform(inputs.seed, inputs.output_index, x.shape[-1])
+    gumbel = -torch.log(-torch.log(uniform))
+    sampled = _max_and_argmax(_pieces(scaled + gumbel))[2]
+    ids = torch.where(inputs.temperature == 0, greedy, sampled)
+    logprobs = x.gather(-1, ids[:, None])[:, 0] - lse
+    top_ids = top_logprobs = None
+    if inputs.top_logprobs:
+        top_ids, top_logprobs = top_alternatives(x, lse)
+    return FullSample(ids, logprobs, top_ids, top_logprobs)
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    output_counts: torch.Tensor,  # [rows, vocab] int32: outputs so far
+    seen: torch.Tensor,  # [rows, vocab] bool: in the prompt or the outputs
+    *,
+    presence: torch.Tensor,  # [rows]
+    frequency: torch.Tensor,  # [rows]
+    repetition: torch.Tensor,  # [rows]
+) -> torch.Tensor:
+    """vLLM's penalties: a seen token's logit is divided by ``repetition`` if positive and
+    multiplied by it otherwise (transformers' ``RepetitionPenaltyLogitsProcessor``); then
+    OpenAI's ``logit - frequency * count - presence * (count > 0)`` over the outputs.
+    Neutral values (1, 0, 0) leave every logit exactly as it was."""
+    rep = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    counts = output_counts.float()
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * (output_counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask the tokens whose probability is below ``min_p`` times the top token's (as
+    transformers' ``MinPLogitsWarper``: ``p < min_p * p_max`` is ``exp(x - x_max) < min_p``);
+    ``min_p`` 0 masks nothing."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    drop = (logits - row_max).exp() < min_p[:, None]
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def top_alternatives(logits: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``MAX_TOP_LOGPROBS`` most likely tokens of each row, best first, as int32 ids and
+    their log-probabilities ``logit - lse`` (``[rows, MAX_TOP_LOGPROBS]`` each; a vocabulary
+    smaller than that is padded with id 0 at ``-inf``)."""
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    values, ids = torch.topk(logits, k, dim=-1)
+    values = values - lse[:, None]
+    if k < MAX_TOP_LOGPROBS:
+        values = torch.nn.functional.pad(values, (0, MAX_TOP_LOGPROBS - k), value=float("-inf"))
+        ids = torch.nn.functional.pad(ids, (0, MAX_TOP_LOGPROBS - k))
+    return ids.to(torch.int32), values
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [rows, vocab]
+    targets: torch.Tensor,  # [rows] int64: the token that follows each row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's log-probability of its target, and its top alternatives (raw logits)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)  # [rows]
+    target_logprobs = x.gather(-1, targets[:, None])[:, 0] - lse
+    top_ids, top_logprobs = top_alternatives(x, lse)
+    return target_logprobs, top_ids, top_logprobs
 
 
 @torch.library.custom_op("cbpipe::greedy_sample", mutates_args=())
@@ -138,6 +267,11 @@ def _logsumexp(
 def _apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
+    """Mask (to ``-inf``) what top-k and then top-p drop, by sorting each row.
+
+    A row with ``top_k`` 0 (or at least the vocabulary) and ``top_p`` 1 keeps every value
+    exactly: rounding in the running mass never drops its tail.
+    """
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
@@ -146,7 +280,8 @@ def _apply_top_k_top_p(
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token once the mass before it already reaches top_p; the first always stays.
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

@@ -172,8 +172,8 @@ def test_decode_graph_bodies_with_the_triton_kernel_match_generate(compiled: boo
     graphs = engine.runner.graphs
     find, found = graphs.find, []
 
-    def counting_find(step: Step) -> Replayable | None:
-        found.append(find(step))
+    def counting_find(step: Step, **kwargs: bool) -> Replayable | None:
+        found.append(find(step, **kwargs))
         return found[-1]
 
     graphs.find = counting_find  # type: ignore[method-assign]

@@ -84,10 +84,23 @@ class EngineRun:
             self.engine.wait_ready(timeout)
         except EngineStartError as exc:
             raise pytest.fail.Exception(f"engine {self.flags}: {exc}") from None
-        for pid in (self.engine.scheduler_pid, self.engine.worker_pid):
+        for pid in self.child_pids():
             start_time = process_start_time(pid)
             assert start_time is not None, f"child {pid} named in the ready line is not running"
             self._children[pid] = start_time
+
+    def child_pids(self) -> list[int]:
+        """Every child named in the ready line: the scheduler, the worker, HTTP servers."""
+        fields = self.engine.ready_fields
+        return [
+            int(v) for k, v in fields.items() if k not in ("address", "startup_s") and v.isdigit()
+        ]
+
+    @property
+    def http_url(self) -> str:
+        url = self.engine.http_url
+        assert url is not None, f"engine {self.flags} serves no HTTP"
+        return url
 
     def finish(self) -> None:
         """Stop the engine if it still runs (it must exit 0), then check what it left."""
@@ -212,10 +225,20 @@ def shared_engine_flags(name: str) -> tuple[str, ...]:
     if name == "text_engine":  # two steps in flight: the other engines run one and three
         return ("--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "512",
                 "--steps-in-flight", "2")  # fmt: skip
+    if name == "http_engine":  # the text model over HTTP, with a key and a chat template
+        return ("--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "512",
+                "--port", "0", "--api-key", HTTP_API_KEY, "--served-model-name", HTTP_MODEL_NAME,
+                "--chat-template", str(CHAT_TEMPLATE))  # fmt: skip
+    if name == "http_tiny_engine":  # no tokenizer; two server processes share the port
+        return (*MODEL_FLAGS, "--port", "0", "--api-server-count", "2")
     raise KeyError(name)
 
 
-SHARED_ENGINES = ("engine", "sync_engine", "text_engine")
+HTTP_API_KEY = "sk-cbpipe-test"
+HTTP_MODEL_NAME = "cbpipe-test"
+# The embedded model's tokenizer has no chat template of its own.
+CHAT_TEMPLATE = Path(__file__).parent / "chat_template.jinja"
+SHARED_ENGINES = ("engine", "sync_engine", "text_engine", "http_engine", "http_tiny_engine")
 FRESH_ENGINE_FLAGS = MODEL_FLAGS
 
 
@@ -303,6 +326,18 @@ def sync_engine(engine_pool: EnginePool) -> EngineRun:
 def text_engine(engine_pool: EnginePool) -> EngineRun:
     """The shared engine of ``TEXT_MODEL_DIR`` (text prompts, ``Result.text``)."""
     return engine_pool.shared("text_engine")
+
+
+@pytest.fixture(scope="session")
+def http_engine(engine_pool: EnginePool) -> EngineRun:
+    """The shared engine of ``TEXT_MODEL_DIR`` with an HTTP server (key ``HTTP_API_KEY``)."""
+    return engine_pool.shared("http_engine")
+
+
+@pytest.fixture(scope="session")
+def http_tiny_engine(engine_pool: EnginePool) -> EngineRun:
+    """random:qwen2-tiny (no tokenizer) behind two HTTP server processes, no key."""
+    return engine_pool.shared("http_tiny_engine")
 
 
 @pytest.fixture

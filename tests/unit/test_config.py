@@ -73,9 +73,33 @@ def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
     assert resolved.model.max_model_len == 100  # what the scheduler enforces
     assert plan_layout(resolved).limits.max_blocks_per_seq == 7  # room for it in 16-token blocks
     default = resolve_limits(EngineConfig())
-    assert default.model.max_model_len == resolve_model("default").max_position_embeddings
+    assert default.model.max_model_len == resolve_model("default").config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds"):
         resolve_limits(EngineConfig(model=ModelConfig(max_model_len=10**7)))
+
+
+def test_server_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    import dataclasses
+
+    monkeypatch.delenv("CBPIPE_API_KEY", raising=False)
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    args = ["--port", "0", "--api-server-count", "3", "--chat-template", "t.jinja"]
+    parsed = config.from_arguments(parser.parse_args(args))
+    assert (parsed.server.port, parsed.server.api_server_count) == (0, 3)
+    assert (parsed.server.host, parsed.server.chat_template) == ("127.0.0.1", "t.jinja")
+    assert config.EngineConfig().server.port is None  # no HTTP server unless asked
+    for bad in (["--port", "70000"], ["--api-server-count", "0"]):
+        with pytest.raises(ValueError, match=bad[0]):
+            config.from_arguments(parser.parse_args(bad)).validate()
+    # Beyond this host, HTTP too is asked for, and keyed.
+    remote = config.from_arguments(parser.parse_args(["--port", "0", "--host", "0.0.0.0"]))
+    with pytest.raises(ValueError, match="--allow-remote"):
+        remote.validate()
+    with pytest.raises(ValueError, match="--api-key"):
+        dataclasses.replace(remote, allow_remote=True).validate()
+    dataclasses.replace(remote, allow_remote=True, api_key="k").validate()
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,18 @@
 """Which decode bodies exist and the order they first run in (on the CPU, nothing captured)."""
 
+import dataclasses
+
 from cbpipe.protocol.messages import SamplingMode, Step
-from cbpipe.worker.cuda_graphs import DecodeGraphs, bucket_sizes, tuning_batch
+from cbpipe.worker.cuda_graphs import (
+    FULL_VARIANTS,
+    GREEDY,
+    RANDOM,
+    DecodeGraphs,
+    GraphVariant,
+    bucket_sizes,
+    full_bucket_sizes,
+    tuning_batch,
+)
 
 
 def test_buckets_are_fine_at_the_bottom_and_end_at_the_largest_batch() -> None:
@@ -17,21 +28,50 @@ def test_the_tuning_batch_is_the_smallest_bucket_of_at_least_32_rows() -> None:
     assert tuning_batch([1, 2, 4, 6]) == 6  # none that large: the largest
 
 
-def test_a_first_batch_runs_before_every_capture_in_both_modes() -> None:
-    calls: list[tuple[str, int, bool]] = []
+def test_the_full_samplers_buckets_are_powers_of_two_from_8_and_the_largest() -> None:
+    assert full_bucket_sizes(bucket_sizes(256)) == [8, 16, 32, 64, 128, 256]
+    assert full_bucket_sizes(bucket_sizes(200)) == [8, 16, 32, 64, 128, 200]
+    assert full_bucket_sizes(bucket_sizes(6)) == [6]
+    assert full_bucket_sizes([32]) == [32]
+
+
+def _step(**fields: object) -> Step:
+    step = Step(step=0, slot=1, num_tokens=20, num_seqs=20, num_single_token_seqs=20,
+                max_query_len=1, max_context_len=100, block_table_width=8,
+                carry_from_slot=None, sampling=SamplingMode.GREEDY, top_logprobs=False,
+                prompt_logprobs=False, num_bias_entries=0)  # fmt: skip
+    return dataclasses.replace(step, **fields)
+
+
+def test_a_first_batch_runs_before_every_capture_in_every_variant() -> None:
+    calls: list[tuple[str, int, GraphVariant]] = []
     graphs = DecodeGraphs()
     graphs.capture(
-        lambda slot, batch, greedy: calls.append((slot, batch, greedy)),
+        lambda slot, batch, variant: calls.append((slot, batch, variant)),
         batch_sizes=[1, 2, 4, 8, 16, 32, 64],
         slots=["a", "b"],
         stream=None,
         first_batch=32,
     )
-    assert calls == [("a", 32, True), ("a", 32, False)]  # the CPU runs bodies at replay only
-    assert len(graphs) == 7 * 2 * 2
-    step = Step(step=0, slot=1, num_tokens=20, num_seqs=20, num_single_token_seqs=20,
-                max_query_len=1, max_context_len=100, block_table_width=8,
-                carry_from_slot=None, sampling=SamplingMode.GREEDY, top_logprobs=False,
-                prompt_logprobs=False, num_bias_entries=0)  # fmt: skip
-    graphs.find(step).replay()
-    assert calls[-1] == ("b", 32, True)
+    # The CPU runs bodies at replay only.
+    assert calls == [("a", 32, v) for v in (GREEDY, RANDOM, *FULL_VARIANTS)]
+    assert graphs.full_batch_sizes == [8, 16, 32, 64]
+    assert len(graphs) == 7 * 2 * 2 + 4 * 4 * 2
+    graphs.find(_step()).replay()
+    assert calls[-1] == ("b", 32, GREEDY)
+    graphs.find(_step(sampling=SamplingMode.RANDOM, num_seqs=3, num_single_token_seqs=3)).replay()
+    assert calls[-1] == ("b", 4, RANDOM)
+    full = _step(sampling=SamplingMode.FULL, num_seqs=3, num_single_token_seqs=3)
+    graphs.find(full).replay()
+    assert calls[-1] == ("b", 8, GraphVariant(SamplingMode.FULL))
+    graphs.find(dataclasses.replace(full, top_logprobs=True), truncation=True).replay()
+    assert calls[-1] == ("b", 8, GraphVariant(SamplingMode.FULL, True, True))
+
+
+def test_prefill_and_prompt_log_probability_steps_run_eagerly() -> None:
+    graphs = DecodeGraphs()
+    graphs.capture(lambda *_: None, batch_sizes=[1, 2, 4], slots=["a", "b"], stream=None)
+    assert graphs.find(_step(num_seqs=2, num_single_token_seqs=2)) is not None
+    assert graphs.find(_step(num_seqs=2, num_single_token_seqs=1)) is None
+    assert graphs.find(_step(num_seqs=2, num_single_token_seqs=2, prompt_logprobs=True)) is None
+    assert graphs.find(_step(num_seqs=5, num_single_token_seqs=5)) is None  # past the largest

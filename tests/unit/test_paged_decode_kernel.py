@@ -47,6 +47,11 @@ class Case:
     strided_query: bool = False  # query as a view into a wider [num_seqs, ..., head_dim] buffer
     given_out: bool = False
     seed: int = 0
+    # The layer's variant: a sliding window, a soft-cap, per-head sink logits.
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    variant_matters: bool = True  # the variant moves the output (checked against the plain one)
 
 
 def _edges(block_size: int) -> tuple[int, ...]:
@@ -74,6 +79,45 @@ CPU_CASES = [
     Case("mix-bs8-g8-d128-bf16-split3", "bfloat16", 8, (0, 200, 9, 64), 1, 8, 128, 3),
     Case("mix-bs32-g1-bf16-split5", "bfloat16", 32, (33, 0, 180), 2, 1, 64, 5),
     Case("mix-bs16-g4-fp16-split2", "float16", 16, (70, 0, 15), 2, 4, 64, 2),
+    # Sliding windows: ending inside a block (20 with blocks of 16) and on a tile edge, of one
+    # key, larger than every context, split or not; contexts below, at and past the window.
+    *[
+        Case(
+            f"window{w}-bs16-split{sp}",
+            "float32",
+            16,
+            (1, 15, 16, 17, 20, 21, 40, 129, 300, 0),
+            2,
+            4,
+            64,
+            sp,
+            window=w,
+        )
+        for w in (20, 64, 1)
+        for sp in (1, 3)
+    ],  # fmt: skip
+    Case(
+        "window-past-context",
+        "float32",
+        16,
+        (5, 100, 0, 33),
+        2,
+        4,
+        64,
+        2,
+        window=1000,
+        variant_matters=False,
+    ),  # fmt: skip
+    Case("window7-bs8-g1-d128-split5", "float32", 8, (6, 7, 8, 90, 200), 2, 1, 128, 5, window=7),
+    Case("softcap-fp32", "float32", 16, (1, 17, 130, 0), 2, 4, 64, 2, softcap=0.7),
+    Case("sinks-fp32", "float32", 16, (1, 17, 130, 0), 2, 4, 64, 1, sinks=True),
+    Case("sinks-fp32-split4", "float32", 16, (1, 17, 130, 0, 64), 2, 4, 64, 4, sinks=True),
+    Case(
+        "gemma2-like-bf16", "bfloat16", 16, (40, 0, 17, 150), 1, 2, 256, 2, window=24, softcap=1.5
+    ),  # fmt: skip
+    Case(
+        "gpt-oss-like-bf16", "bfloat16", 16, (40, 0, 17, 150), 2, 4, 64, 3, window=32, sinks=True
+    ),  # fmt: skip
 ]
 
 GPU_CASES = [
@@ -84,6 +128,47 @@ GPU_CASES = [
     Case("batch64-bf16-bs32", "bfloat16", 32, tuple(range(0, 64 * 37, 37)), 8, 4, 128, None),
     Case("batch2-bf16-auto-many-splits", "bfloat16", 16, (5000, 77), 8, 4, 128, None),
     Case("head-dim-256-fp32", "float32", 16, (1000, 3), 2, 4, 256, None),
+    # Gemma 2 2B's attention (8 heads, 4 KV heads, head_dim 256, window 4096, soft-cap 50) and
+    # gpt-oss's (64 heads, 8 KV heads, head_dim 64, window 128, sinks), at long contexts.
+    Case(
+        "gemma2-2b-window-bf16",
+        "bfloat16",
+        16,
+        (8192, 4097, 4095, 1, 6000),
+        4,
+        2,
+        256,
+        None,
+        window=4096,
+        softcap=50.0,
+    ),  # fmt: skip
+    Case(
+        "gemma2-2b-full-bf16-batch2",
+        "bfloat16",
+        16,
+        (8192, 300),
+        4,
+        2,
+        256,
+        None,
+        softcap=50.0,
+        variant_matters=False,
+    ),  # a cap of 50 barely touches scores of ~1
+    Case(
+        "gpt-oss-window-sinks-bf16",
+        "bfloat16",
+        16,
+        (5000, 129, 128, 127, 1, 0),
+        8,
+        8,
+        64,
+        None,
+        window=128,
+        sinks=True,
+    ),  # fmt: skip
+    Case(
+        "gpt-oss-full-sinks-bf16", "bfloat16", 16, (5000, 129, 1), 8, 8, 64, None, sinks=True
+    ),  # fmt: skip
 ]
 # (sequence, KV head) pairs, SMs, and the split count the default heuristic should give.
 SPLIT_HEURISTIC = [(256, 132, 1), (132, 132, 1), (2048, 132, 1), (128, 132, 3), (32, 132, 9)]
@@ -99,6 +184,7 @@ class Inputs:
     width: torch.Tensor
     context_lens: torch.Tensor
     out: torch.Tensor | None
+    sinks: torch.Tensor | None
 
 
 def make_inputs(case: Case, device: torch.device) -> Inputs:
@@ -124,6 +210,8 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
     if case.given_out:
         out = torch.full((num_seqs, num_heads, case.head_dim), float("nan"), dtype=dtype)
         out = out.to(device)
+    # Sinks of the size of the scores, so some rows give them most of the weight.
+    sinks = (2 * torch.randn(num_heads, generator=gen)).to(dtype).to(device) if case.sinks else None
     return Inputs(
         query,
         key_cache,
@@ -132,6 +220,7 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
         header[1:2],
         torch.tensor(case.context_lens, dtype=torch.int32, device=device),
         out,
+        sinks,
     )
 
 
@@ -142,13 +231,19 @@ def check_case(case: Case, device: torch.device) -> dict[str, object]:
     x = make_inputs(case, device)
     scale = case.head_dim**-0.5
     args = (x.query, x.key_cache, x.value_cache, x.block_tables, x.width, x.context_lens)
+    variant: dict[str, Any] = dict(sliding_window=case.window, softcap=case.softcap, sinks=x.sinks)
     got = paged_decode_attention(
-        *args, block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out
-    )
-    want = paged_decode_reference(*args, block_size=case.block_size, scale=scale)
+        *args, block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out,
+        **variant,
+    )  # fmt: skip
+    want = paged_decode_reference(*args, block_size=case.block_size, scale=scale, **variant)
+    plain = paged_decode_reference(*args, block_size=case.block_size, scale=scale)
     empty = x.context_lens == 0
     return {
         "max_err": (got.float() - want).abs().max().item(),
+        # How far the variant moves the output: a case whose variant changes nothing tests
+        # nothing about it.
+        "variant_effect": (want - plain).abs().max().item(),
         "finite": bool(torch.isfinite(got).all()),
         "empty_rows_zero": bool((got[empty] == 0).all()),
         "dtype_ok": got.dtype == x.query.dtype and got.shape == x.query.shape,
@@ -163,6 +258,9 @@ def assert_result(case: Case, result: dict[str, object]) -> None:
     assert result["dtype_ok"], f"{case.name}: wrong output dtype or shape"
     assert result["returned_out"], f"{case.name}: the given out was not returned"
     assert result["max_err"] <= _ATOL[case.dtype], f"{case.name}: max error {result['max_err']}"
+    has_variant = case.window is not None or case.softcap is not None or case.sinks
+    if has_variant and case.variant_matters:
+        assert result["variant_effect"] > 10 * _ATOL[case.dtype], f"{case.name}: no effect"
 
 
 def _interpreter_main() -> None:
@@ -202,7 +300,12 @@ def test_gpu_matches_reference(case: Case) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cuda_graph_replays_with_new_metadata() -> None:
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"sliding_window": 100, "softcap": 2.0}, {"sliding_window": 33, "sinks": True}],
+    ids=["plain", "window-softcap", "window-sinks"],
+)
+def test_gpu_cuda_graph_replays_with_new_metadata(variant: dict[str, Any]) -> None:
     """Capture once; new context lengths, block tables and width written in place are used."""
     from cbpipe.worker.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 
@@ -219,6 +322,8 @@ def test_gpu_cuda_graph_replays_with_new_metadata() -> None:
     tables = torch.zeros(num_seqs * max_width, dtype=torch.int32, device=device)
     context_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
     out = torch.empty_like(query)
+    if variant.pop("sinks", False):
+        variant["sinks"] = torch.randn(kv_heads * group, device=device) * 2
 
     def fill(lens: list[int], table_width: int) -> None:
         blocks = torch.randperm(num_blocks, device=device)[: num_seqs * table_width]
@@ -230,7 +335,7 @@ def test_gpu_cuda_graph_replays_with_new_metadata() -> None:
 
     def expected() -> torch.Tensor:
         args = (query, key_cache, value_cache, tables, width, context_lens)
-        return paged_decode_reference(*args, block_size=bs, scale=head_dim**-0.5)
+        return paged_decode_reference(*args, block_size=bs, scale=head_dim**-0.5, **variant)
 
     def run() -> None:
         paged_decode_attention(
@@ -244,6 +349,7 @@ def test_gpu_cuda_graph_replays_with_new_metadata() -> None:
             scale=head_dim**-0.5,
             num_splits=8,
             out=out,
+            **variant,
         )
 
     fill([5, 100, 0, 300, 17, 16], 20)

@@ -55,6 +55,11 @@ class Case:
     # them, and a given out must keep them as they were.
     row_offset: int = 0
     seed: int = 0
+    # The layer's variant: a sliding window, a soft-cap, per-head sink logits.
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    variant_matters: bool = True  # the variant moves the output (checked against the plain one)
 
 
 CPU_CASES = [
@@ -126,6 +131,65 @@ CPU_CASES = [
     Case("bs8-g1-d32-bf16", "bfloat16", 8, ((24, 24), (5, 29)), 2, 1, 32, block_rows=16),
     Case("long-chunk-bs16-g4-bf16", "bfloat16", 16, ((64, 96), (40, 40)), 2, 4, 64),
     Case("mix-bs16-g4-fp16", "float16", 16, ((9, 9), (4, 70)), 2, 4, 64),
+    # Sliding windows that end inside a block (20 with blocks of 16; 5 inside a 16-key tile),
+    # on a tile edge (16, 32), of one key; chunks that start before, inside and past the
+    # window, row tiles whose rows' windows start in different key tiles.
+    *[
+        Case(
+            f"window{w}-bs16-g4-rows{r}",
+            "float32",
+            16,
+            ((40, 40), (7, 60), (1, 33), (20, 20), (33, 90), (3, 5)),
+            2,
+            4,
+            64,
+            block_rows=r,
+            block_n=16,
+            window=w,
+        )
+        for w, r in ((20, 4), (20, 16), (5, 8), (16, 16), (32, 4), (1, 4))
+    ],  # fmt: skip
+    Case(
+        "window-default-tiles-g1",
+        "float32",
+        16,
+        ((130, 130), (129, 300), (2, 130)),
+        1,
+        1,
+        32,
+        window=70,
+    ),  # fmt: skip
+    Case(
+        "window-past-context",
+        "float32",
+        8,
+        ((9, 9), (6, 30), (1, 8)),
+        2,
+        3,
+        64,
+        block_rows=8,
+        window=500,
+        variant_matters=False,
+    ),  # fmt: skip
+    Case("softcap-fp32", "float32", 16, ((5, 5), (7, 40), (1, 33)), 2, 4, 64, softcap=0.7),
+    Case("sinks-fp32", "float32", 16, ((5, 5), (7, 40), (1, 33), (0, 3)), 2, 4, 64, sinks=True),
+    Case(
+        "window-softcap-sinks-bf16",
+        "bfloat16",
+        16,
+        ((17, 17), (9, 41), (1, 64), (33, 65)),
+        1,
+        8,
+        64,
+        block_rows=4,
+        block_n=32,
+        window=24,
+        softcap=1.5,
+        sinks=True,
+    ),  # fmt: skip
+    Case(
+        "gemma2-like-bf16", "bfloat16", 16, ((40, 40), (20, 90)), 1, 2, 256, window=24, softcap=1.5
+    ),  # fmt: skip
 ]
 
 GPU_CASES = [
@@ -154,6 +218,30 @@ GPU_CASES = [
     Case("g1-d128-bs32-bf16", "bfloat16", 32, ((513, 513), (31, 4000)), 8, 1, 128),
     Case("head-dim-256-bf16", "bfloat16", 16, ((100, 300), (64, 64)), 2, 4, 256),
     Case("group-6-d64-fp16", "float16", 8, ((257, 257), (40, 600)), 2, 6, 64),
+    # Gemma 2 2B's attention (head_dim 256, window 4096, soft-cap 50) and gpt-oss's (head_dim
+    # 64, window 128, sinks) over long prompts and chunks that cross the window.
+    Case(
+        "gemma2-2b-window-bf16",
+        "bfloat16",
+        16,
+        ((2048, 6000), (1000, 4096), (512, 512)),
+        4,
+        2,
+        256,
+        window=4096,
+        softcap=50.0,
+    ),  # fmt: skip
+    Case(
+        "gpt-oss-window-sinks-bf16",
+        "bfloat16",
+        16,
+        ((1024, 1024), (300, 2000), (1, 129)),
+        8,
+        8,
+        64,
+        window=128,
+        sinks=True,
+    ),  # fmt: skip
     Case(
         "llama1b-wide-table-strided-out-bf16",
         "bfloat16",
@@ -193,6 +281,7 @@ class Inputs:
     context_lens: torch.Tensor
     max_query_len: int
     out: torch.Tensor | None
+    sinks: torch.Tensor | None
 
 
 def make_inputs(case: Case, device: torch.device) -> Inputs:
@@ -221,6 +310,8 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
     if case.given_out:
         out = torch.full((num_rows, num_heads, case.head_dim), float("nan"), dtype=dtype)
         out = out.to(device)
+    # Sinks of the size of the scores, so some rows give them most of the weight.
+    sinks = (2 * torch.randn(num_heads, generator=gen)).to(dtype).to(device) if case.sinks else None
     return Inputs(
         query,
         key_cache,
@@ -230,6 +321,7 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
         torch.tensor([n for _, n in case.seqs], dtype=torch.int32, device=device),
         max(q_lens),
         out,
+        sinks,
     )
 
 
@@ -246,14 +338,19 @@ def check_case(case: Case, device: torch.device) -> dict[str, Any]:
     common: dict[str, Any] = dict(
         block_size=case.block_size, scale=scale, max_query_len=x.max_query_len
     )
+    variant: dict[str, Any] = dict(sliding_window=case.window, softcap=case.softcap, sinks=x.sinks)
     got = paged_prefill_attention(
-        *args, **common, out=x.out, block_rows=case.block_rows, block_n=case.block_n
+        *args, **common, **variant, out=x.out, block_rows=case.block_rows, block_n=case.block_n
     )
-    want = paged_prefill_reference(*args, **common)
+    want = paged_prefill_reference(*args, **common, **variant)
+    plain = paged_prefill_reference(*args, **common)
     owned = slice(case.row_offset, None)
     err = (got[owned].float() - want[owned]).abs()
     return {
         "max_err": err.max().item(),
+        # How far the variant moves the output: a case whose variant changes nothing tests
+        # nothing about it.
+        "variant_effect": (want[owned] - plain[owned]).abs().max().item(),
         "max_scaled_err": (err - _RTOL[case.dtype] * want[owned].abs()).max().item(),
         "finite": bool(torch.isfinite(got[owned]).all()),
         "unowned_untouched": x.out is None or bool(got[: case.row_offset].isnan().all()),
@@ -271,6 +368,9 @@ def assert_result(case: Case, result: dict[str, Any]) -> None:
     assert result["max_scaled_err"] <= _ATOL[case.dtype], (
         f"{case.name}: max error {result['max_err']}, beyond rtol {result['max_scaled_err']}"
     )
+    has_variant = case.window is not None or case.softcap is not None or case.sinks
+    if has_variant and case.variant_matters:
+        assert result["variant_effect"] > 10 * _ATOL[case.dtype], f"{case.name}: no effect"
 
 
 def _rejected_inputs() -> dict[str, bool]:

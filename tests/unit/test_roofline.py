@@ -28,3 +28,17 @@ def test_floor_sums_weights_and_attended_kv_over_steps() -> None:
     steps = [StepRecord(i, 2, 2, 2, 100 + i, 0, 0, 0, 0, 0, 0) for i in range(3)]
     total = 3 * sizes.weight_bytes + sizes.kv_bytes_per_token * (100 + 101 + 102)
     assert abs(floor_seconds(steps, sizes, 1e12) - total / 1e12) < 1e-12
+
+
+def test_sliding_window_layers_read_at_most_their_window() -> None:
+    """Gemma 2 2B: 13 layers with a window of 4096, 13 without; 4 KV heads of 256, bf16."""
+    config = resolve_model("random:gemma2-2b").config
+    windows = [4096 if i % 2 == 0 else None for i in range(26)]
+    sizes = decode_bytes(config, torch.bfloat16, windows)
+    layer_kv = 2 * 4 * 256 * 2
+    assert sizes.kv_bytes_per_token == 26 * layer_kv
+    assert sizes.windowed == ((4096, 13 * layer_kv),)
+    contexts = [8192, 100]
+    kv = 13 * layer_kv * (8192 + 100) + 13 * layer_kv * (4096 + 100)
+    assert sizes.step_bytes_for(contexts) == sizes.weight_bytes + kv
+    assert sizes.step_bytes(8192 + 100) == sizes.weight_bytes + 26 * layer_kv * 8292

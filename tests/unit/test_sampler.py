@@ -8,19 +8,14 @@ from cbpipe.worker.sampler import SamplingInputs, sample
 def inputs(
     n: int,
     temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
     seeds: torch.Tensor | None = None,
     output_index: int = 0,
 ) -> SamplingInputs:
     return SamplingInputs(
         temperature=torch.full((n,), temperature),
-        top_p=torch.full((n,), top_p),
-        top_k=torch.full((n,), top_k, dtype=torch.int32),
         seed=seeds if seeds is not None else torch.arange(n),
         output_index=torch.full((n,), output_index, dtype=torch.int32),
         all_greedy=temperature == 0,
-        needs_top_k_top_p=top_k > 0 or top_p < 1,
     )
 
 
@@ -30,13 +25,6 @@ def test_sampling_follows_the_distribution() -> None:
     frequencies = torch.bincount(ids, minlength=4) / 20000
     assert torch.allclose(frequencies, logits[0].softmax(-1), atol=0.015)
     assert torch.allclose(logprobs, logits[0].log_softmax(-1)[ids])
-
-
-def test_top_k_and_top_p_cut_the_tail() -> None:
-    logits = torch.tensor([0.0, 1.0, 2.0, 0.5]).repeat(4000, 1)
-    assert set(sample(logits, inputs(4000, top_k=2))[0].tolist()) == {1, 2}
-    assert set(sample(logits, inputs(4000, top_p=0.7))[0].tolist()) == {1, 2}
-    assert set(sample(logits, inputs(4000, top_p=0.5))[0].tolist()) == {2}
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax() -> None:

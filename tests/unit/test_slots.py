@@ -21,6 +21,7 @@ def test_fields_are_aligned_disjoint_and_inputs_come_first() -> None:
     assert layout.slot_offset(1) == TABLE_NBYTES + layout.slot_nbytes
     assert layout.fields["block_tables"].length == 7 * 13
     assert set(layout.fields) == {f.name for f in FIELDS}
+    assert len(layout.fields) == len(FIELDS)  # no name in two regions
 
 
 def test_block_tables_are_last_so_a_prefix_copy_covers_a_step() -> None:

@@ -31,6 +31,10 @@ Design:
   split only when the pairs do not cover the SMs.
 * Softmax runs in float32 in the base-2 domain (the scale is multiplied by log2(e) once), the
   usual online-softmax rescaling across tiles.
+* A layer's variant (``tiles.py``): with a sliding window the splits divide the keys from
+  the tile holding ``context_len - window`` on, so keys before the window are never read;
+  a soft-cap bends the scores; sinks start the first split's state at (sink, 1), and the
+  merge weighs them like any split. These variants have run under the interpreter only.
 
 Only long-stable ``tl`` operations are used (masked loads and stores, ``tl.dot``, ``tl.exp2``),
 so the kernels compile with the Triton of torch 2.11 through Triton 3.9, and run under
@@ -45,7 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
+from cbpipe.worker.kernels.checks import (
+    check_query_and_caches,
+    check_variant,
+    output_for,
+    reference_scores,
+)
 from cbpipe.worker.kernels.tiles import attend_tiles, jit_varying
 
 _LOG2E = 1.4426950408889634
@@ -75,6 +84,7 @@ def _split_kv_kernel(
     tables_ptr,
     width_ptr,
     context_lens_ptr,
+    sinks_ptr,
     out_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -90,12 +100,16 @@ def _split_kv_kernel(
     num_heads,
     num_splits,
     qk_scale,
+    softcap,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     WRITE_OUTPUT: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -122,22 +136,35 @@ def _split_kv_kernel(
 
     context_len = tl.load(context_lens_ptr + seq)
     width = tl.load(width_ptr)
+    # The row sits at position context_len - 1; with a window it sees the last WINDOW keys.
+    first_tile = 0
+    if WINDOW > 0:
+        first_tile = tl.maximum(context_len - WINDOW, 0) // BLOCK_N * BLOCK_N
     # Whole tiles per split, so only a split's last tile (and the sequence's) is ragged.
-    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    per_split = tl.cdiv(tl.cdiv(context_len - first_tile, num_splits), BLOCK_N) * BLOCK_N
+    start = first_tile + split * per_split
     end = tl.minimum(start + per_split, context_len)
     table = tables_ptr + seq.to(tl.int64) * width
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:  # noqa: SIM102 (a constexpr branch around a run-time one)
+        # The sink joins the softmax once per row: in the first split's state.
+        if split == 0:
+            m_i = (
+                tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+                * 1.4426950408889634
+            )
+            l_i = tl.full([BLOCK_G], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     k_head = k_ptr + kv_head * stride_k_head
     v_head = v_ptr + kv_head * stride_v_head
-    # Keys masked at ``end``, no causal mask (the row_pos argument, here ``end``, goes unused).
+    row_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (context_len - 1)  # for the window only
+    # Keys masked at ``end``, no causal mask.
     m_i, l_i, acc = attend_tiles(
-        q, m_i, l_i, acc, start, end, end, end, table, k_head, v_head, stride_k_slot,
-        stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, True, False,
-        INTERPRETED,
+        q, m_i, l_i, acc, start, end, end, row_pos, table, k_head, v_head, stride_k_slot,
+        stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, True,
+        False, WINDOW, SOFTCAP, INTERPRETED,
     )  # fmt: skip
 
     if WRITE_OUTPUT:
@@ -236,6 +263,9 @@ def paged_decode_attention(
     *,
     block_size: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -255,6 +285,11 @@ def paged_decode_attention(
             to keep; nothing checks it on the device.
         block_size: tokens per cache block.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: if set, the row (at position ``context_len - 1``) sees only the last
+            ``sliding_window`` keys; each window compiles a variant of its own.
+        softcap: if set, scores become ``softcap * tanh(scores / softcap)``.
+        sinks: ``[num_heads]`` logits, one per head, that join each row's softmax with no
+            value (gpt-oss); any float dtype.
         num_splits: key ranges per sequence; None picks ``default_num_splits``.
         out: optional ``[num_seqs, num_heads, head_dim]`` output of the query's dtype.
 
@@ -281,6 +316,7 @@ def paged_decode_attention(
         num_splits = default_num_splits(num_seqs, num_kv_heads, query.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be positive, got {num_splits}")
+    check_variant(sliding_window, softcap, sinks, num_heads, query.device)
     if num_seqs == 0:
         return out
 
@@ -308,6 +344,7 @@ def paged_decode_attention(
         block_tables,
         block_table_width,
         context_lens,
+        query if sinks is None else sinks,  # never read without sinks
         out,
         part_max,
         part_sum,
@@ -323,12 +360,16 @@ def paged_decode_attention(
         num_heads,
         num_splits,
         scale * _LOG2E,
+        (softcap or 0.0) * _LOG2E,
         GROUP=group,
         BLOCK_G=block_g,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
+        WINDOW=sliding_window or 0,
+        SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         WRITE_OUTPUT=num_splits == 1,
         INTERPRETED=_INTERPRETED,
         num_warps=_NUM_WARPS,
@@ -363,6 +404,9 @@ def paged_decode_reference(
     *,
     block_size: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ground truth for ``paged_decode_attention``: a plain loop, float32 math.
 
@@ -381,6 +425,10 @@ def paged_decode_reference(
         slots = tables[s * width + pos // block_size] * block_size + pos % block_size
         k = key_cache[slots].float().repeat_interleave(group, dim=1)  # [n, heads, head_dim]
         v = value_cache[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", query[s].float(), k) * scale
-        out[s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
+        scores = torch.einsum("hd,nhd->hn", query[s].float(), k) * scale  # [heads, n]
+        visible = torch.ones(1, n, dtype=torch.bool, device=query.device)
+        if sliding_window is not None:
+            visible = pos[None, :] >= n - sliding_window
+        weights = reference_scores(scores, visible, softcap, sinks)
+        out[s] = torch.einsum("hn,nhd->hd", weights, v)
     return out

@@ -32,6 +32,9 @@ Design (flash-attention forward, varlen and paged):
   the tile's first row position need no mask at all; the remaining tiles, up to the last
   row's position, apply the causal mask. Nothing past the last row's position is read.
 * Softmax runs in float32 in the base-2 domain with the usual online rescaling.
+* A layer's sliding window (``tiles.py``): a row tile starts at the key tile holding its first
+  row's window start, masks up to the first whole tile every row of the tile sees, and
+  skips the masks from there to the causal tiles; keys before the window are never read.
 
 Launch defaults (untuned: not yet measured on any GPU): ``M`` targets 128 (for ``G = 4``,
 32 query rows; for ``G = 8``, 16), capped so the query tile stays within ``_Q_TILE_BYTES``
@@ -48,10 +51,10 @@ Only long-stable ``tl`` operations are used (masked loads and stores, ``tl.dot``
 (3.5/3.6) through 3.9, and it runs under Triton's CPU interpreter (``TRITON_INTERPRET=1``
 before this module is imported), which is how the unit tests check it without a GPU.
 
-Status: not yet measured on a GPU; not yet wired into attention.py. It has been checked
-against ``paged_prefill_reference`` under the CPU interpreter only, so it has not even been
-compiled for a GPU yet (``tests/unit/test_paged_prefill_kernel.py -m gpu`` and
-``scripts/bench_attention.py`` are the first things to run on one).
+Status: the plain causal kernel is measured on an H200 (3.6-4.8x gather + SDPA,
+docs/PERFORMANCE.md) and serves prefill rows on CUDA (``attention/triton_rows.py``). The
+sliding-window, soft-cap and sink variants have been checked against
+``paged_prefill_reference`` under the CPU interpreter only.
 """
 
 from __future__ import annotations
@@ -60,7 +63,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cbpipe.worker.kernels.checks import check_query_and_caches, output_for
+from cbpipe.worker.kernels.checks import (
+    check_query_and_caches,
+    check_variant,
+    output_for,
+    reference_scores,
+)
 from cbpipe.worker.kernels.tiles import attend_tiles, jit_varying
 
 _LOG2E = 1.4426950408889634
@@ -84,6 +92,7 @@ def _prefill_kernel(
     tables_ptr,
     query_start_ptr,
     context_lens_ptr,
+    sinks_ptr,
     out_ptr,
     stride_q_row,
     stride_q_head,
@@ -95,6 +104,7 @@ def _prefill_kernel(
     stride_o_head,
     stride_table,
     qk_scale,
+    softcap,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -103,6 +113,9 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Last row tile first: it has the most keys to visit.
@@ -155,17 +168,34 @@ def _prefill_kernel(
     v_head = v_ptr + kv_head * stride_v_head
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # each row's sink, as one more key seen with no value
+        sink = tl.load(sinks_ptr + heads, mask=in_group < GROUP, other=0.0)
+        m_i = sink.to(tl.float32) * 1.4426950408889634  # log2(e)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_start = 0
+    if WINDOW > 0:
+        # Row r sees keys row_pos[r] - WINDOW < k <= row_pos[r]. Keys from the tile's first
+        # row's window start up to the first whole tile every row sees take the masks; whole
+        # tiles every row sees (from the last row's window start to the first row) none.
+        window_tile = tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        full_start = tl.cdiv(tl.maximum(end - WINDOW, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(tl.maximum(full_start, window_tile), full_end)
+        m_i, l_i, acc = attend_tiles(
+            q, m_i, l_i, acc, window_tile, full_start, end, row_pos, table, k_head, v_head,
+            stride_k_slot, stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype,
+            BLOCK_SIZE, BLOCK_N, True, True, WINDOW, SOFTCAP, INTERPRETED,
+        )  # fmt: skip
     # Whole tiles first, every key visible to every row; then the causal ones.
     m_i, l_i, acc = attend_tiles(
-        q, m_i, l_i, acc, 0, full_end, end, row_pos, table, k_head, v_head, stride_k_slot,
-        stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, False, False,
-        INTERPRETED,
+        q, m_i, l_i, acc, full_start, full_end, end, row_pos, table, k_head, v_head,
+        stride_k_slot, stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype, BLOCK_SIZE,
+        BLOCK_N, False, False, 0, SOFTCAP, INTERPRETED,
     )  # fmt: skip
     m_i, l_i, acc = attend_tiles(
         q, m_i, l_i, acc, full_end, end, end, row_pos, table, k_head, v_head, stride_k_slot,
-        stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, True, True,
-        INTERPRETED,
+        stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, True,
+        True, WINDOW, SOFTCAP, INTERPRETED,
     )  # fmt: skip
 
     # l_i >= 1 on every valid row (it sees at least its own key); the guard only keeps a
@@ -247,6 +277,9 @@ def paged_prefill_attention(
     block_size: int,
     scale: float,
     max_query_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_rows: int | None = None,
     block_n: int | None = None,
@@ -270,6 +303,11 @@ def paged_prefill_attention(
         block_size: tokens per cache block.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         max_query_len: a host bound on every ``q_len``; sizes the grid.
+        sliding_window: if set, a row at position ``p`` sees only the keys
+            ``p - sliding_window < k <= p``; each window compiles a variant of its own.
+        softcap: if set, scores become ``softcap * tanh(scores / softcap)``.
+        sinks: ``[num_heads]`` logits, one per head, that join each row's softmax with no
+            value (gpt-oss); any float dtype.
         out: optional ``[num_rows, num_heads, head_dim]`` of the query's dtype, head_dim
             contiguous. Rows no sequence owns are left as they are (uninitialised if
             allocated here).
@@ -294,6 +332,7 @@ def paged_prefill_attention(
     out = output_for(query, out)
     if query.stride(2) != 1:
         query = query.contiguous()
+    check_variant(sliding_window, softcap, sinks, num_heads, query.device)
     if num_seqs == 0 or max_query_len <= 0 or query.shape[0] == 0:
         return out
 
@@ -316,6 +355,7 @@ def paged_prefill_attention(
         block_tables,
         query_start,
         context_lens,
+        query if sinks is None else sinks,  # never read without sinks
         out,
         query.stride(0),
         query.stride(1),
@@ -327,9 +367,13 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         scale * _LOG2E,
+        (softcap or 0.0) * _LOG2E,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        WINDOW=sliding_window or 0,
+        SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         INTERPRETED=_INTERPRETED,
         num_stages=_NUM_STAGES if num_stages is None else num_stages,
         **config,
@@ -348,6 +392,9 @@ def paged_prefill_reference(
     block_size: int,
     scale: float,
     max_query_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ground truth for ``paged_prefill_attention``: a plain loop, float32 math.
 
@@ -374,6 +421,8 @@ def paged_prefill_reference(
         scores = torch.einsum("qhd,nhd->hqn", q, k) * scale
         row_pos = n - q_len + torch.arange(q_len, device=query.device)
         visible = pos[None, :] <= row_pos[:, None]  # [q_len, n]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[starts[s] : starts[s + 1]] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
+        if sliding_window is not None:
+            visible = visible & (pos[None, :] > row_pos[:, None] - sliding_window)
+        weights = reference_scores(scores, visible, softcap, sinks)
+        out[starts[s] : starts[s + 1]] = torch.einsum("hqn,nhd->qhd", weights, v)
     return out

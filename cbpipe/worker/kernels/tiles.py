@@ -4,6 +4,16 @@ A tile is ``BLOCK_N`` consecutive key positions of one sequence, each looked up 
 table, so any block size works with the same tile. ``(m_i, l_i, acc)`` is the running state
 of a program's query rows: max score, sum of weights and unnormalised output, float32, in the
 base-2 domain (``qk_scale`` already holds log2(e)).
+
+Attention variants of a layer are compile-time switches (``tl.constexpr``), so a layer without
+them runs exactly the code it ran before they existed:
+
+- ``WINDOW`` > 0: a sliding window; row r sees only keys ``row_pos[r] - WINDOW < k``. A tile may
+  then hold no key a row can see, even its first, so the update guards the running max.
+- ``SOFTCAP``: scores become ``softcap * tanh(scores / softcap)`` before the mask, with
+  ``softcap`` in the base-2 domain too (the layer's cap times log2(e)).
+- Sinks (one logit per head that joins the softmax with no value) need no tile work: the
+  kernels start the state at ``(m, l) = (sink, 1)``, as if one more key had been seen.
 """
 
 from __future__ import annotations
@@ -33,6 +43,12 @@ def jit_varying(*names: str):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2, which every Triton version has: 1 - 2 / (e^2x + 1)."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -47,6 +63,7 @@ def _attend_tile(
     stride_k_slot,
     stride_v_slot,
     qk_scale,
+    softcap,
     dims,
     dim_ok,
     io_dtype: tl.constexpr,
@@ -54,12 +71,14 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     MASK_END: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Update the state with the keys at positions tile .. tile+BLOCK_N.
 
     MASK_END: keys at or past ``end`` are masked and never read (the table row may end
     there); without it every key of the tile is below ``end``. CAUSAL: row r sees only keys
-    at or before ``row_pos[r]``.
+    at or before ``row_pos[r]``. WINDOW > 0: nor any at or before ``row_pos[r] - WINDOW``.
     """
     pos = tile + tl.arange(0, BLOCK_N)
     if MASK_END:
@@ -78,16 +97,26 @@ def _attend_tile(
     k = tl.load(k_head + slot[None, :] * stride_k_slot + dims[:, None], mask=k_mask, other=0.0)
     # "ieee": float32 inputs would otherwise be rounded to tf32; 16-bit ones ignore it.
     scores = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale
+    if SOFTCAP:
+        scores = softcap * _tanh(scores / softcap)
     if CAUSAL:
         scores = tl.where(pos[None, :] <= row_pos[:, None], scores, float("-inf"))
     elif MASK_END:
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+    if WINDOW > 0:
+        scores = tl.where(pos[None, :] > row_pos[:, None] - WINDOW, scores, float("-inf"))
 
-    # The callers make every row see a key in its first tile, so each row's running max is
-    # finite from then on, and fully masked rows of later tiles add exp2(-inf) = 0, not NaN.
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    if WINDOW > 0:  # noqa: SIM108 (a constexpr branch: the variant without it is unchanged)
+        # A row may have seen no key yet, here included: subtract 0 rather than -inf, so its
+        # weights are exp2(-inf) = 0 and the old state's factor 0, not NaN.
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        # The callers make every row see a key in its first tile, so each row's running max
+        # is finite from then on, and fully masked rows of later tiles add exp2(-inf) = 0.
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(scores - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(v_head + slot[:, None] * stride_v_slot + dims[None, :], mask=v_mask, other=0.0)
@@ -113,6 +142,7 @@ def attend_tiles(
     stride_k_slot,
     stride_v_slot,
     qk_scale,
+    softcap,
     dims,
     dim_ok,
     io_dtype: tl.constexpr,
@@ -120,6 +150,8 @@ def attend_tiles(
     BLOCK_N: tl.constexpr,
     MASK_END: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """``_attend_tile`` for the tiles starting at start, start+BLOCK_N, ... below ``stop``."""
@@ -130,8 +162,8 @@ def attend_tiles(
         while tile < stop:
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile, end, row_pos, table, k_head, v_head, stride_k_slot,
-                stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, MASK_END,
-                CAUSAL,
+                stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N,
+                MASK_END, CAUSAL, WINDOW, SOFTCAP,
             )  # fmt: skip
             tile += BLOCK_N
     else:
@@ -139,7 +171,7 @@ def attend_tiles(
         for tile in range(start, stop, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile, end, row_pos, table, k_head, v_head, stride_k_slot,
-                stride_v_slot, qk_scale, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, MASK_END,
-                CAUSAL,
+                stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N,
+                MASK_END, CAUSAL, WINDOW, SOFTCAP,
             )  # fmt: skip
     return m_i, l_i, acc

@@ -1,0 +1,200 @@
+"""What the completions and chat endpoints share: sampling options from a request, the
+server state, the event stream, and cancelling a request whose client went away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from cbpipe.client import AsyncClient, SamplingOptions
+from cbpipe.client.jobs import TopLogprobs
+from cbpipe.server.errors import APIError, from_engine
+from cbpipe.server.generation import Generation
+from cbpipe.server.metrics import ServerMetrics
+from cbpipe.server.schemas import _SamplingFields
+from cbpipe.server.text import Text
+
+
+@dataclass
+class ServerState:
+    """Everything a request handler needs, built once per server process."""
+
+    client: AsyncClient
+    text: Text
+    metrics: ServerMetrics
+    model_name: str
+    api_key: str | None = None
+    created: int = 0  # when the model was loaded (for /v1/models)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def sampling_options(
+    request: _SamplingFields,
+    *,
+    detokenize: bool,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingOptions:
+    """The engine's options for an OpenAI request. Temperature defaults to OpenAI's 1.0."""
+    values: dict[str, Any] = {
+        "n": request.n or 1,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "detokenize": detokenize,
+    }
+    for name in (
+        "top_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "min_tokens",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop",
+        "stop_token_ids",
+    ):
+        value = getattr(request, name)
+        if value is not None:
+            values[name] = value
+    if request.top_k is not None:
+        values["top_k"] = 0 if request.top_k == -1 else request.top_k  # vLLM's -1: no limit
+    if request.logit_bias:
+        try:
+            values["logit_bias"] = {int(k): v for k, v in request.logit_bias.items()}
+        except ValueError:
+            raise APIError(
+                400, "logit_bias keys must be token ids (integers)", param="logit_bias"
+            ) from None
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        values["prompt_logprobs"] = prompt_logprobs
+    if request.stream_options is not None and not request.stream:
+        raise APIError(
+            400, "stream_options is only allowed with stream: true", param="stream_options"
+        )
+    return cast(SamplingOptions, values)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(num_prompt_tokens: int, num_generated_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_generated_tokens,
+        "total_tokens": num_prompt_tokens + num_generated_tokens,
+    }
+
+
+def top_alternatives(text: Text, top: TopLogprobs) -> Iterator[tuple[str, float]]:
+    return ((text.token_string(token_id), logprob) for token_id, logprob in top)
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class Envelope:
+    """The constant part of every chunk of one stream, encoded once: only the choices
+    change from one event to the next."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        head = dumps({**fields, "choices": []})
+        assert head.endswith('"choices":[]}')
+        self._prefix = ("data: " + head[: -len("]}")]).encode()
+
+    def event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        tail = "".join(f',"{key}":{dumps(value)}' for key, value in extra.items())
+        return self._prefix + f"{','.join(map(dumps, choices))}]{tail}}}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+async def first_batch_then(
+    generation: Generation, request: Request, max_tokens_name: str
+) -> tuple[Any, AsyncIterator[Any]]:
+    """The first batch of a stream, awaited before the status line goes out so that an
+    engine's refusal is still a 400 (or 503); and the batches after it."""
+    batches = generation.batches()
+    async with cancelled_on_disconnect(request, generation):
+        try:
+            first = await anext(batches)
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            raise from_engine(exc, max_tokens_name) from None
+    return first, batches
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from ``events``. When the client goes away, ``on_close`` runs at
+    once (it cancels the request's jobs: their blocks are freed without waiting for the
+    next token to fail to send); it runs again, harmlessly, when the stream ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        super().__init__(events, headers=headers, media_type=self.media_type)
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        watcher.add_done_callback(lambda task: None if task.cancelled() else self.on_close())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.events:
+                if watcher.done():
+                    break
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            self.on_close()
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_disconnect(request: Request, generation: Generation) -> AsyncIterator[None]:
+    """Cancel the generation's jobs if the client disconnects inside the block."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    watcher.add_done_callback(
+        lambda task: None if task.cancelled() else generation.cancel_unfinished()
+    )
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,168 @@
+"""One HTTP request's jobs on the engine: one per prompt, each of ``n`` samples.
+
+``Generation`` submits them, merges their deltas into one stream of batches, times every
+sample for the metrics, and cancels what is left when the request ends early (the client
+disconnected, or one prompt failed and with it the whole request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from cbpipe.client import AsyncClient, AsyncJob, Delta, Result, SamplingOptions
+from cbpipe.client.jobs import TopLogprobs
+from cbpipe.server.metrics import ServerMetrics
+
+
+@dataclass
+class _SampleClock:
+    first_s: float | None = None
+    last_s: float = 0.0
+    num_tokens: int = 0
+
+
+@dataclass
+class SampleDelta:
+    """One sample's deltas of a batch, joined: what one streamed chunk of it carries."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Batch:
+    """What arrived at once for one prompt: deltas of its samples, in arrival order."""
+
+    prompt_index: int
+    deltas: list[Delta]
+
+    def by_sample(self) -> dict[int, SampleDelta]:
+        """The deltas of each sample that moved, joined, in the order they first moved."""
+        joined: dict[int, SampleDelta] = {}
+        for delta in self.deltas:
+            entry = joined.get(delta.index)
+            if entry is None:
+                entry = joined[delta.index] = SampleDelta()
+            entry.token_ids += delta.token_ids
+            entry.text += delta.text
+            if delta.logprobs is not None:
+                entry.logprobs += delta.logprobs
+                entry.top_logprobs += delta.top_logprobs or [[] for _ in delta.logprobs]
+            if delta.finish_reason is not None:
+                entry.finish_reason = delta.finish_reason
+        return joined
+
+
+@dataclass
+class Generation:
+    client: AsyncClient
+    metrics: ServerMetrics
+    prompts: Sequence[list[int]]
+    max_new_tokens: Sequence[int]
+    options: SamplingOptions
+    arrival_s: float = field(default_factory=time.perf_counter)
+    jobs: list[AsyncJob] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Submit every prompt; a ``RequestError`` from the client cancels those already
+        submitted before it propagates."""
+        try:
+            for prompt, limit in zip(self.prompts, self.max_new_tokens, strict=True):
+                self.jobs.append(self.client.submit(prompt, max_new_tokens=limit, **self.options))
+        except Exception:
+            self.cancel_unfinished()
+            raise
+        self.n = self.jobs[0].params.n
+        self._clocks = [[_SampleClock() for _ in range(self.n)] for _ in self.jobs]
+        self.num_prompt_tokens = sum(len(p) for p in self.prompts)
+        self.num_generated_tokens = 0
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        """Every job's deltas as they arrive, timed; raises the first job error (and
+        cancels the other jobs)."""
+        source = self._one() if len(self.jobs) == 1 else self._merged()
+        try:
+            async for batch in source:
+                self._observe(batch)
+                yield batch
+        except BaseException:
+            self.cancel_unfinished()
+            raise
+
+    async def results(self) -> list[list[Result]]:
+        """Each prompt's results, by sample, once ``batches()`` is exhausted; recorded in the
+        metrics."""
+        results = [await job.results() for job in self.jobs]
+        now = time.perf_counter()
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self.metrics.generation_tokens.inc(self.num_generated_tokens)
+        for prompt_results, clocks in zip(results, self._clocks, strict=True):
+            for result, clock in zip(prompt_results, clocks, strict=True):
+                self.metrics.request_finished(result.finish_reason)
+                self.metrics.e2e_request_latency.observe(now - self.arrival_s)
+                self.metrics.request_queue_time.observe(result.queue_time_s)
+                if clock.first_s is not None and clock.num_tokens > 1:
+                    per_token = (clock.last_s - clock.first_s) / (clock.num_tokens - 1)
+                    self.metrics.time_per_output_token.observe(per_token)
+        return results
+
+    def cancel_unfinished(self) -> None:
+        """Ask the engine to stop every job not yet finished (without awaiting: this runs in
+        a cancelled task's clean-up too)."""
+        for job in self.jobs:
+            job.cancel_nowait()
+
+    # --- internals --------------------------------------------------------------------
+
+    async def _one(self) -> AsyncIterator[Batch]:
+        async for deltas in self.jobs[0].delta_batches():
+            yield Batch(0, deltas)
+
+    async def _merged(self) -> AsyncIterator[Batch]:
+        queue: asyncio.Queue[Batch | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, job: AsyncJob) -> None:
+            try:
+                async for deltas in job.delta_batches():
+                    queue.put_nowait(Batch(index, deltas))
+            except Exception as exc:
+                queue.put_nowait(exc)
+            else:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(self.jobs)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _observe(self, batch: Batch) -> None:
+        now = time.perf_counter()
+        clocks = self._clocks[batch.prompt_index]
+        for delta in batch.deltas:
+            if not delta.token_ids:
+                continue
+            clock = clocks[delta.index]
+            if clock.first_s is None:
+                clock.first_s = now
+                self.metrics.time_to_first_token.observe(now - self.arrival_s)
+            else:
+                self.metrics.inter_token_latency.observe(now - clock.last_s)
+            clock.last_s = now
+            clock.num_tokens += len(delta.token_ids)
+            self.num_generated_tokens += len(delta.token_ids)

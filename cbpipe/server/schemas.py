@@ -1,0 +1,119 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+Field names and meanings are OpenAI's; cbpipe's extensions take vLLM's names. Every model
+forbids fields it does not declare, so a field cbpipe does not implement is a 400 that names
+it, never a silent ignore; the few declared only to be ignored are in ``IGNORED_FIELDS``.
+Types are strict: ``"5"`` is not an integer and ``1`` is not a boolean.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
+
+# Fields that change nothing about the output (OpenAI uses them for accounting, storage or
+# its own caches): accepted and ignored. The README lists them.
+IGNORED_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+)
+
+# What a field of a union type must be, for the 400 that a value of another type gets
+# (pydantic's own message names only one of the options).
+UNION_TYPES = {
+    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+
+
+class _SamplingFields(_Strict):
+    """What completions and chat requests share: OpenAI's sampling fields, then vLLM's."""
+
+    model: str | None = None
+    n: int | None = Field(1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: int | None = None  # 0 or -1: every token
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: Literal[True] | None = None  # the engine always skips them
+    include_stop_str_in_output: Literal[False] | None = None
+    return_token_ids: bool | None = None  # token ids beside the text (and without a tokenizer)
+    # Accepted and ignored: IGNORED_FIELDS.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None  # only None or n: cbpipe returns every sample it draws
+    suffix: None = None  # insertion is not supported: any value is a 400
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # structured output is not supported
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions for the chat template
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False

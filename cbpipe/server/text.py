@@ -1,0 +1,99 @@
+"""The server's side of text: prompts and chat templates to token ids, token ids to the
+strings that log-probabilities are reported under.
+
+The server tokenizes (the scheduler's step loop never sees an HTTP prompt as text); the
+scheduler detokenizes, because stop strings are matched in its text. A model without a
+tokenizer (the random-weight presets) takes token-id prompts only, answers with empty
+texts, and names tokens ``token_id:<id>`` where a string is due (vLLM's spelling).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+
+class TextError(ValueError):
+    """A prompt or conversation this model cannot take; the message says why."""
+
+
+class Text:
+    """Tokenization for one model, or its absence (``tokenizer`` None)."""
+
+    def __init__(self, tokenizer: Any | None, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.token_string = lru_cache(maxsize=1 << 16)(self._token_string)
+
+    @classmethod
+    def load(cls, path: Path | None, model_name: str, chat_template: str | None) -> Text:
+        """The tokenizer of the checkpoint folder ``path`` (None: no tokenizer), with
+        ``chat_template`` (a file or the template itself) instead of its own."""
+        if path is None:
+            return cls(None, model_name)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if chat_template is not None:
+            template_file = Path(chat_template)
+            if len(chat_template) < 4096 and template_file.is_file():
+                chat_template = template_file.read_text()
+            tokenizer.chat_template = chat_template
+        return cls(tokenizer, model_name)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer is not None
+
+    def encode(self, prompt: str) -> list[int]:
+        """A text prompt's token ids, as the engine's own text path has them (no special
+        tokens added: a prompt that wants a BOS says so)."""
+        if self.tokenizer is None:
+            raise TextError(
+                f"model {self.model_name} has no tokenizer: send the prompt as token ids"
+            )
+        return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens skipped, as in the engine's outputs);
+        "" without a tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+    ) -> list[int]:
+        """The token ids of a conversation rendered by the model's chat template."""
+        if self.tokenizer is None:
+            raise TextError(f"model {self.model_name} has no tokenizer: chat needs one")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise TextError(
+                f"model {self.model_name} has no chat template: start the server with "
+                "--chat-template, or use /v1/completions"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise TextError("add_generation_prompt and continue_final_message exclude each other")
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+        except Exception as exc:  # jinja2 and the template's own raise_exception
+            raise TextError(f"the chat template refused the messages: {exc}") from None
+        # The template writes the special tokens (a BOS, say) it wants; add none.
+        return list(self.tokenizer(rendered, add_special_tokens=False).input_ids)
+
+    def _token_string(self, token_id: int) -> str:
+        """How one token is named in log-probabilities: its text alone, as vLLM reports it
+        (a piece of a multi-byte character reads as U+FFFD)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id]))

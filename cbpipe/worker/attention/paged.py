@@ -1,0 +1,228 @@
+"""A step's attention over the paged KV cache: the two kinds of step the runner runs.
+
+The model runs one packed sequence of all the step's rows (batch dimension 1). Each layer's
+attention call writes the rows' keys and values into the paged cache, then attends each row
+to its own sequence's cached keys through the block table.
+
+- ``PagedStep``: any step, run eagerly. Its rows fall into two groups, each attended by one
+  ``RowsAttention``: rows of one query token (decodes) first, then sequences of several rows
+  (prefill chunks), so a long chunk never pads the decode batch. Each group takes the Triton
+  kernel or the torch path (``triton_rows.py``, ``torch_rows.py``), chosen when the step is
+  built; nothing else in the step depends on the choice.
+- ``DecodeGraphStep``: a decode-only step of fixed shapes, as CUDA graphs capture it and
+  ``torch.compile`` traces it: two custom ops per layer.
+
+A new backend is one more ``RowsAttention``; a new attention variant is a field of
+``AttentionVariant`` that the groups pass on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cbpipe.worker.attention.torch_rows import GatheredRows, gather_index
+from cbpipe.worker.attention.triton_rows import (
+    DecodeKernel,
+    DecodeKernelRows,
+    PrefillKernel,
+    PrefillKernelRows,
+)
+from cbpipe.worker.attention.variant import AttentionVariant
+
+
+@dataclass
+class KVCache:
+    """Per-layer key and value tensors, ``[(num_blocks + 1) * block_size, kv_heads, head_dim]``.
+
+    The block after the last usable one belongs to no sequence: rows that only pad a batch
+    up to a captured graph's size write their keys and values there.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    block_size: int
+    num_blocks: int  # usable blocks, handed to the scheduler
+
+    @property
+    def padding_slot(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class RowsAttention(Protocol):
+    """One group of a step's rows, prepared for one way of attending (a backend)."""
+
+    def attend(
+        self,
+        variant: AttentionVariant,
+        query: torch.Tensor,  # [num_tokens, heads, head_dim], the whole step
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,  # [num_tokens, heads, head_dim]: the group writes its own rows
+    ) -> None: ...
+
+
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def write_by_index(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:  # fmt: skip
+    k_cache[slot_mapping] = key
+    v_cache[slot_mapping] = value
+
+
+def write_with_op(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:  # fmt: skip
+    """``cbpipe::write_kv_cache``: one Triton launch per layer on CUDA."""
+    torch.ops.cbpipe.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _to_cache(
+    kv_cache: KVCache, layer: int, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    k_cache, v_cache = kv_cache.keys[layer], kv_cache.values[layer]
+    return k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype)
+
+
+@dataclass
+class PagedStep:
+    """Any step's attention, eagerly: the cache write, then each group of rows."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache index each row writes
+    write: CacheWrite
+    groups: tuple[RowsAttention, ...]  # decode rows first, then prefill chunks
+
+    def attend(
+        self,
+        layer: int,
+        variant: AttentionVariant,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        k_cache, v_cache, key, value = _to_cache(self.kv_cache, layer, key, value)
+        self.write(key, value, k_cache, v_cache, self.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        for group in self.groups:
+            group.attend(variant, query, k_cache, v_cache, out)
+        return out
+
+    @classmethod
+    def build(
+        cls,
+        kv_cache: KVCache,
+        *,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_table_width: torch.Tensor,
+        num_single_token_seqs: int,
+        max_query_len: int,
+        max_context_len: int,
+        kv_group_size: int,
+        windows: Iterable[int | None] = (None,),
+        decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: PrefillKernel | None = None,
+    ) -> PagedStep:
+        """Build each group's metadata on the device; only host integers decide shapes (no
+        sync). ``block_tables`` is ``[num_seqs, width]``; ``block_table_width`` its width on
+        the device; ``windows`` the sliding windows of the model's layers (None: none), for
+        the torch path's masks. A kernel given takes its group; None: the torch path."""
+        num_seqs = block_tables.shape[0]
+        n_dec = num_single_token_seqs
+        has_prefill = n_dec < num_seqs
+        bs = kv_cache.block_size
+        # Only the torch path gathers; the kernels read the block tables themselves.
+        if (has_prefill and prefill_kernel is None) or (n_dec and decode_kernel is None):
+            key_pos, kv_index = gather_index(block_tables, max_context_len, bs)
+        groups: list[RowsAttention] = []
+        if n_dec and decode_kernel is not None:
+            groups.append(
+                DecodeKernelRows(
+                    decode_kernel,
+                    context_lens[:n_dec],
+                    block_tables[:n_dec].reshape(-1),
+                    block_table_width,
+                    bs,
+                )
+            )
+        elif n_dec:
+            lens = context_lens[:n_dec]
+            groups.append(GatheredRows.decode(kv_index[:n_dec], key_pos, lens, kv_group_size,
+                                              windows))  # fmt: skip
+        if has_prefill and prefill_kernel is not None:
+            groups.append(
+                PrefillKernelRows(
+                    prefill_kernel,
+                    query_start[n_dec : num_seqs + 1],
+                    context_lens[n_dec:],
+                    block_tables[n_dec:],
+                    max_query_len,
+                    bs,
+                )
+            )
+        elif has_prefill:
+            groups.append(
+                GatheredRows.prefill(
+                    kv_index[n_dec:],
+                    key_pos,
+                    positions,
+                    query_start[n_dec : num_seqs + 1],
+                    n_dec,
+                    max_query_len,
+                    kv_group_size,
+                    windows,
+                )
+            )
+        kernels = decode_kernel is not None or prefill_kernel is not None
+        return cls(kv_cache, slot_mapping, write_with_op if kernels else write_by_index,
+                   tuple(groups))  # fmt: skip
+
+
+@dataclass
+class DecodeGraphStep:
+    """A step of single-row sequences with fixed shapes, as a CUDA graph captures it.
+
+    ``block_tables`` is flat and its row width lives on the device only, so one graph serves
+    every width. Per layer: ``cbpipe::write_kv_cache``, then ``cbpipe::decode_attention``.
+    """
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [batch]; padding rows write to the padding block
+    context_lens: torch.Tensor  # [batch] int32; 0 on padding rows, which attend nothing
+    block_tables: torch.Tensor  # flat int32
+    block_table_width: torch.Tensor  # [1] int64 on the device: the slot header's copy
+
+    def attend(
+        self,
+        layer: int,
+        variant: AttentionVariant,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        k_cache, v_cache, key, value = _to_cache(self.kv_cache, layer, key, value)
+        write_with_op(key, value, k_cache, v_cache, self.slot_mapping)
+        return torch.ops.cbpipe.decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.block_table_width,
+            self.context_lens,
+            self.kv_cache.block_size,
+            variant.scaling,
+            variant.sliding_window,
+            variant.softcap,
+            variant.sinks,
+        )

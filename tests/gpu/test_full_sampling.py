@@ -1,0 +1,128 @@
+"""The full sampler on CUDA: no host synchronisation, and graphs (captured, and compiled)
+that sample what eager steps sample."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cbpipe.models import resolve_model
+from cbpipe.protocol.messages import SamplingMode
+from cbpipe.protocol.sampling import SamplingParams
+from tests.harness import InProcessEngine, reference_model
+
+pytestmark = pytest.mark.gpu
+
+EMBEDDED = "default"
+CUDA = torch.device("cuda")
+
+
+def test_full_steps_never_synchronise_the_host() -> None:
+    """A FULL prefill with prompt log-probabilities, bias entries and a reset, then a FULL
+    decode-only step from a graph with a reset and bias entries before its replay."""
+    engine = InProcessEngine(EMBEDDED, device=CUDA, max_batch_tokens=64, max_num_seqs=8)
+    try:
+        engine.add(
+            list(range(5, 45)),
+            SamplingParams(8, repetition_penalty=1.2, logprobs=5, prompt_logprobs=3, top_p=0.9),
+        )
+        first = engine.packer.pack(engine.scheduler.schedule(), 0, None)
+        assert first.sampling is SamplingMode.FULL and first.prompt_logprobs
+        engine.add([7], SamplingParams(8, logit_bias=((3, 2.0),), min_tokens=2, logprobs=1))
+        second = engine.packer.pack(engine.scheduler.schedule(), 1, 0)  # decode + 1-row prompt
+        assert second.num_single_token_seqs == second.num_seqs == 2
+        assert second.num_bias_entries > 0
+        assert engine.runner.graphs.find(second, truncation=True) is not None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = [engine.runner.launch(first), engine.runner.launch(second)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for item in launched:
+            item.wait()
+    finally:
+        engine.close()
+
+
+def _requests(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 120))] for _ in range(16)]
+    prompts[2] = prompts[2][:1]
+    kinds = [
+        lambda i: SamplingParams(24, repetition_penalty=1.3, ignore_eos=True),
+        lambda i: SamplingParams(24, presence_penalty=0.6, frequency_penalty=0.4, ignore_eos=True),
+        lambda i: SamplingParams(24, logit_bias=((11, 3.0), (12, -50.0)), ignore_eos=True),
+        lambda i: SamplingParams(24, temperature=0.9, top_p=0.9, top_k=40, seed=i, logprobs=5),
+        lambda i: SamplingParams(24, temperature=1.1, min_p=0.05, seed=i, ignore_eos=True),
+        lambda i: SamplingParams(24, temperature=0.8, seed=i, ignore_eos=True),
+        lambda i: SamplingParams(24, logprobs=20, ignore_eos=True),
+    ]
+    return prompts, [kinds[i % len(kinds)](i) for i in range(len(prompts))]
+
+
+def _run(graphs: bool, compiled: bool) -> tuple[list[list[int]], int]:
+    vocab = resolve_model(EMBEDDED).config.vocab_size
+    prompts, params = _requests(vocab)
+    engine = InProcessEngine(
+        EMBEDDED,
+        device=CUDA,
+        max_batch_tokens=64,
+        max_num_seqs=8,
+        cuda_graphs=graphs,
+        compile_decode=compiled,
+    )
+    replays = 0
+    find = engine.runner.graphs.find
+
+    def counting_find(step, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal replays
+        graph = find(step, **kwargs)
+        replays += graph is not None and step.sampling is SamplingMode.FULL
+        return graph
+
+    engine.runner.graphs.find = counting_find  # type: ignore[method-assign]
+    try:
+        outputs = engine.generate(prompts, params, mode="random", rng=random.Random(3))
+    finally:
+        engine.close()
+    return outputs, replays
+
+
+@pytest.mark.parametrize(
+    ("graphs", "compiled"), [(True, False), (True, True)], ids=["graphs", "compiled"]
+)
+def test_full_decode_graphs_sample_what_eager_steps_sample(graphs: bool, compiled: bool) -> None:
+    """The embedded model is trained, so its logits rarely tie: eager steps and graph bodies
+    (their own matrix-product shapes, inductor's fused kernels) agree token for token."""
+    eager, _ = _run(graphs=False, compiled=False)
+    outputs, replays = _run(graphs, compiled)
+    assert replays >= 20
+    assert outputs == eager
+
+
+def test_greedy_penalties_match_generate_on_cuda() -> None:
+    vocab = resolve_model(EMBEDDED).config.vocab_size
+    prompts, params = _requests(vocab)
+    outputs, _ = _run(graphs=True, compiled=False)
+    model = reference_model(EMBEDDED, CUDA)
+    for prompt, sp, output in zip(prompts, params, outputs, strict=True):
+        if not sp.is_greedy or sp.presence_penalty or sp.frequency_penalty:
+            continue
+        options: dict[str, object] = {}
+        if sp.repetition_penalty != 1.0:
+            options["repetition_penalty"] = sp.repetition_penalty
+        if sp.logit_bias:
+            options["sequence_bias"] = {(t,): b for t, b in sp.logit_bias}
+        expected = model.generate(
+            torch.tensor([prompt], device=CUDA),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=CUDA),
+            max_new_tokens=sp.max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **options,
+        )[0, len(prompt) :].tolist()
+        assert output == expected, f"prompt of {len(prompt)} tokens, {sp}"

@@ -1,0 +1,634 @@
+"""The OpenAI-compatible HTTP server, driven by the real ``openai`` package (and httpx for
+what it would not send): answers, streaming, sampling features, errors, metrics, and what
+a client that leaves mid-stream gives back.
+
+The shared ``http_engine`` serves the embedded text model with an API key and a chat
+template (the tokenizer has none); ``http_tiny_engine`` serves random:qwen2-tiny (no
+tokenizer) from two server processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from cbpipe.client import Client
+from tests.integration.conftest import (
+    CHAT_TEMPLATE,
+    HTTP_API_KEY,
+    HTTP_MODEL_NAME,
+    MODEL_FLAGS,
+    POOL_READY_TIMEOUT_S,
+    TEXT_MODEL_DIR,
+    VOCAB_SIZE,
+    EngineRun,
+)
+from tests.integration.helpers import RESULT_TIMEOUT_S
+
+PROMPTS = ["Return the", "The list of", "Raise"]
+MODEL = HTTP_MODEL_NAME
+
+
+@pytest.fixture(scope="module")
+def api(http_engine: EngineRun) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=http_engine.http_url + "/v1",
+        api_key=HTTP_API_KEY,
+        max_retries=0,
+        timeout=RESULT_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_api(http_tiny_engine: EngineRun) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=http_tiny_engine.http_url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=RESULT_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def http(http_engine: EngineRun) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
+    with httpx.Client(
+        base_url=http_engine.http_url, headers=headers, timeout=RESULT_TIMEOUT_S
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    """The text model in transformers, float32 on the CPU: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(TEXT_MODEL_DIR, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(TEXT_MODEL_DIR)
+
+
+def hf_greedy(hf: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_logprobs(hf: Any, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of the model's logits after each position: ``[len, vocab]``."""
+    model, _ = hf
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def encode(hf: Any, text: str) -> list[int]:
+    return list(hf[1](text, add_special_tokens=False).input_ids)
+
+
+# --- answers ---------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(api: openai.OpenAI) -> None:
+    models = api.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_completion_equals_transformers(api: openai.OpenAI, hf: Any, prompt: str) -> None:
+    prompt_ids = encode(hf, prompt)
+    expected = hf_greedy(hf, prompt_ids, 24)
+    reply = api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    (choice,) = reply.choices
+    assert choice.model_extra is not None
+    assert choice.model_extra["token_ids"] == expected
+    assert choice.text == hf[1].decode(expected, skip_special_tokens=True)
+    assert choice.finish_reason == ("stop" if len(expected) < 24 else "length")
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+        len(prompt_ids),
+        len(expected),
+    )
+
+
+def test_token_id_prompts_and_a_batch_of_prompts(api: openai.OpenAI, hf: Any) -> None:
+    ids = [encode(hf, p) for p in PROMPTS]
+    reply = api.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for choice, prompt_ids in zip(reply.choices, ids, strict=True):
+        assert choice.text == hf[1].decode(hf_greedy(hf, prompt_ids, 10), skip_special_tokens=True)
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_streamed_completion_is_the_completion(api: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": PROMPTS[1],
+        "max_tokens": 30,
+        "temperature": 0,
+        "extra_body": {"return_token_ids": True},
+    }
+    whole = api.completions.create(**kwargs).choices[0]
+    chunks = list(
+        api.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    parts = [c.choices[0] for c in chunks[:-1]]
+    assert "".join(p.text for p in parts) == whole.text
+    assert [t for p in parts for t in p.model_extra["token_ids"]] == whole.model_extra["token_ids"]
+    assert parts[-1].finish_reason == whole.finish_reason
+    assert all(p.finish_reason is None for p in parts[:-1])
+    assert usage.completion_tokens == len(whole.model_extra["token_ids"])
+
+
+def test_chat_uses_the_chat_template(api: openai.OpenAI, hf: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TEXT_MODEL_DIR)
+    tokenizer.chat_template = CHAT_TEMPLATE.read_text()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = encode(hf, rendered)
+    expected = hf_greedy(hf, prompt_ids, 16)
+
+    reply = api.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
+
+    stream = api.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=16, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_seeded_samples_repeat_and_n_samples_differ(api: openai.OpenAI) -> None:
+    def sample(seed: int, n: int = 1) -> list[str]:
+        reply = api.completions.create(
+            model=MODEL, prompt="The list of", max_tokens=20, temperature=1.0, seed=seed,
+            n=n, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert [c.index for c in reply.choices] == list(range(n))
+        return [c.text for c in reply.choices]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    four = sample(7, n=4)
+    assert four == sample(7, n=4)
+    assert len(set(four)) > 1
+
+
+def test_n_samples_stream_under_their_indices(api: openai.OpenAI) -> None:
+    chunks = list(
+        api.completions.create(
+            model=MODEL, prompt=["Return the", "Raise"], max_tokens=8, temperature=1.0,
+            seed=3, n=2, stream=True, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    finished: dict[int, int] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                finished[choice.index] = finished.get(choice.index, 0) + 1
+    assert finished == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_stop_strings_end_the_text_before_them(api: openai.OpenAI) -> None:
+    base = api.completions.create(
+        model=MODEL, prompt="Return the", max_tokens=40, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+    words = base.split()
+    assert len(words) > 3, base
+    stop = " " + words[2]
+    cut = base[: base.index(stop)]
+    reply = api.completions.create(
+        model=MODEL, prompt="Return the", max_tokens=40, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].text == cut
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = api.completions.create(
+        model=MODEL, prompt="Return the", max_tokens=40, temperature=0, stop=stop,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_logprobs_are_the_models(api: openai.OpenAI, hf: Any) -> None:
+    prompt_ids = encode(hf, "The list of")
+    reply = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "The list of"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    generated = choice.model_extra["token_ids"]  # type: ignore[index]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == len(generated)
+    # The completions API: the same tokens' log-probabilities, against transformers'.
+    completion = api.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=6, temperature=0, logprobs=2,
+        extra_body={"return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    ids = completion.model_extra["token_ids"]  # type: ignore[index]
+    reference = hf_logprobs(hf, prompt_ids + ids)
+    assert completion.logprobs is not None and completion.logprobs.token_logprobs is not None
+    for i, (token_id, logprob) in enumerate(
+        zip(ids, completion.logprobs.token_logprobs, strict=True)
+    ):
+        expected = reference[len(prompt_ids) - 1 + i, token_id].item()
+        assert math.isclose(logprob, expected, abs_tol=1e-3), (i, logprob, expected)
+    for entry in choice.logprobs.content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_top_logprobs_are_the_most_likely_tokens(api: openai.OpenAI, hf: Any) -> None:
+    prompt_ids = encode(hf, "The list of")
+    choice = api.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=4, temperature=0, logprobs=3,
+        extra_body={"return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    ids = choice.model_extra["token_ids"]  # type: ignore[index]
+    reference = hf_logprobs(hf, prompt_ids + ids)
+    assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
+    for i, top in enumerate(choice.logprobs.top_logprobs):
+        expected = torch.topk(reference[len(prompt_ids) - 1 + i], 3)
+        pairs = zip(expected.indices.tolist(), expected.values.tolist(), strict=True)
+        want = {hf[1].decode([t]): v for t, v in pairs}
+        assert set(top) == set(want), (i, top, want)
+        for token, logprob in want.items():
+            assert math.isclose(top[token], logprob, abs_tol=1e-3), (i, token)
+
+
+def test_echo_with_prompt_logprobs_equal_transformers(api: openai.OpenAI, hf: Any) -> None:
+    prompt = "The list of the values"
+    prompt_ids = encode(hf, prompt)
+    reply = api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+        extra_body={"return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    assert reply.text.startswith(prompt)
+    assert reply.logprobs is not None and reply.logprobs.token_logprobs is not None
+    logprobs = reply.logprobs.token_logprobs
+    generated = reply.model_extra["token_ids"]  # type: ignore[index]
+    assert len(logprobs) == len(prompt_ids) + len(generated)
+    assert logprobs[0] is None
+    reference = hf_logprobs(hf, prompt_ids)
+    for i in range(1, len(prompt_ids)):
+        expected = reference[i - 1, prompt_ids[i]].item()
+        assert math.isclose(logprobs[i], expected, abs_tol=1e-3), (i, logprobs[i], expected)
+
+
+def test_penalties_change_greedy_output_as_transformers_does(api: openai.OpenAI, hf: Any) -> None:
+    prompt_ids = encode(hf, "The list of")
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
+            repetition_penalty=1.5, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )  # fmt: skip
+    expected = out[0, len(prompt_ids) :].tolist()
+    reply = api.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=24, temperature=0,
+        extra_body={"repetition_penalty": 1.5, "return_token_ids": True},
+    )  # fmt: skip
+    assert reply.choices[0].model_extra["token_ids"] == expected  # type: ignore[index]
+    plain = api.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=24, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+    penalised = [
+        api.completions.create(
+            model=MODEL, prompt=prompt_ids, max_tokens=24, temperature=0,
+            frequency_penalty=1.5, presence_penalty=1.0, extra_body={"ignore_eos": True},
+        ).choices[0].text
+        for _ in range(2)
+    ]  # fmt: skip
+    assert penalised[0] == penalised[1] != plain
+
+
+def test_no_tokenizer_takes_token_ids_and_answers_with_them(tiny_api: openai.OpenAI) -> None:
+    reply = tiny_api.completions.create(
+        model="random:qwen2-tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.text == ""
+    ids = choice.model_extra["token_ids"]  # type: ignore[index]
+    assert len(ids) == 8 and all(0 <= t < VOCAB_SIZE for t in ids)
+    assert choice.logprobs is not None
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+        tiny_api.completions.create(model="random:qwen2-tiny", prompt="text", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+        tiny_api.chat.completions.create(
+            model="random:qwen2-tiny", messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": -1.0}, "temperature"),
+        ({"prompt": "x", "top_p": "high"}, "top_p"),
+        ({"prompt": "x", "echo": 1}, "echo"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [10**6]}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_requests_are_400s(
+    http: httpx.Client, body: dict[str, Any], param: str
+) -> None:
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+    ],
+)  # fmt: skip
+def test_bad_chat_requests_are_400s(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == param
+
+
+def test_bad_json_is_a_400(http: httpx.Client) -> None:
+    for content in (b'{"prompt": "x"', b"[1, 2]", b"not json at all"):
+        response = http.post("/v1/completions", content=content,
+                             headers={"content-type": "application/json"})  # fmt: skip
+        assert response.status_code == 400, response.text
+        error_of(response)
+
+
+def test_a_body_too_large_is_a_413_before_it_is_read(http_engine: EngineRun) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(http_engine.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=RESULT_TIMEOUT_S) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000000\r\n\r\n{"
+        )
+        reply = conn.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413"), reply
+    assert '"type":"invalid_request_error"' in reply
+
+
+def test_the_openai_client_sees_each_error_status(
+    api: openai.OpenAI, http_engine: EngineRun
+) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.completions.create(model=MODEL, prompt="x", suffix="y")
+    assert bad.value.param == "suffix"
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.completions.create(model="gpt-4", prompt="x")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="too long"):
+        api.completions.create(model=MODEL, prompt=[5] * 2100, max_tokens=4)
+    keyless = openai.OpenAI(base_url=http_engine.http_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        keyless.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        keyless.completions.create(model=MODEL, prompt="x")
+
+
+def test_health_and_metrics_need_no_key_and_unknown_paths_are_404s(
+    http_engine: EngineRun,
+) -> None:
+    with httpx.Client(base_url=http_engine.http_url) as bare:
+        assert bare.get("/health").status_code == 200
+        assert bare.get("/metrics").status_code == 200
+        assert bare.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        response = bare.get("/v2/nothing")
+        assert response.status_code == 404
+        error_of(response)
+
+
+# --- streams that end early, and streams that go on --------------------------------------
+
+
+def wait_until_idle(address: str) -> Any:
+    """The engine's stats once nothing runs or waits (bounded: a leak fails the test)."""
+    with Client(address) as client:
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        while True:
+            stats = client.stats()
+            if stats.num_running == stats.num_waiting == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(
+    http_engine: EngineRun, endpoint: str
+) -> None:
+    body: dict[str, Any] = {"max_tokens": 1800, "stream": True, "ignore_eos": True}
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Tell me"}]
+    else:
+        body["prompt"] = "Tell me"
+    headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
+    with (
+        httpx.Client(base_url=http_engine.http_url, headers=headers, timeout=60) as leaver,
+        leaver.stream("POST", endpoint, json=body) as response,
+    ):
+        assert response.status_code == 200
+        events = 0
+        with Client(http_engine.address) as client:
+            for line in response.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    assert client.stats().num_running == 1
+                    break  # closing the line iterator closes the connection: httpx's way
+    stats = wait_until_idle(http_engine.address)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.kv_cache_usage == 0.0
+
+
+def test_a_client_that_gives_up_on_a_reply_frees_its_blocks(http_engine: EngineRun) -> None:
+    body = {"prompt": "Tell me", "max_tokens": 1800, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
+    with Client(http_engine.address) as client:
+        before = client.stats().num_generation_tokens
+        with pytest.raises(httpx.ReadTimeout):  # gives up long before 1800 tokens
+            httpx.post(http_engine.http_url + "/v1/completions", json=body, headers=headers,
+                       timeout=httpx.Timeout(60, read=0.5))  # fmt: skip
+    stats = wait_until_idle(http_engine.address)
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert 0 < stats.num_generation_tokens - before < 1800  # cancelled, not run to its end
+
+
+def test_bad_requests_leave_a_running_stream_alone(
+    http_engine: EngineRun, http: httpx.Client
+) -> None:
+    body = {"prompt": "Once upon", "max_tokens": 200, "stream": True, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    tokens: list[int] = []
+    with http.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        bad_sent = False
+        for line in lines:
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+            if len(tokens) >= 5 and not bad_sent:
+                bad_sent = True
+                for content in (b'{"prompt":', b'{"prompt": 5}', b'{"prompt": "x", "n": "2"}'):
+                    response = http.post("/v1/completions", content=content,
+                                         headers={"content-type": "application/json"})  # fmt: skip
+                    assert response.status_code == 400
+    assert bad_sent and len(tokens) == 200
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name and labels (model_name left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))
+            samples[key] = sample.value
+    return samples
+
+
+def test_metrics_count_the_requests_of_both_server_processes(
+    http_tiny_engine: EngineRun, tiny_api: openai.OpenAI
+) -> None:
+    assert (
+        len([k for k in http_tiny_engine.engine.ready_fields if k.startswith("api_server_")]) == 2
+    )
+    before = scrape(http_tiny_engine.http_url)
+    prompt_tokens = completion_tokens = 0
+    lengths = [3, 5, 8, 13, 2, 7]
+    for i, n in enumerate(lengths):  # fresh connections: the kernel spreads them
+        with openai.OpenAI(base_url=http_tiny_engine.http_url + "/v1", api_key="x",
+                           max_retries=0) as fresh:  # fmt: skip
+            reply = fresh.completions.create(
+                model="random:qwen2-tiny", prompt=[5 + i] * (i + 2), max_tokens=n, temperature=0,
+                stream=i % 2 == 1, extra_body={"ignore_eos": True},
+                **({"stream_options": {"include_usage": True}} if i % 2 else {}),
+            )  # fmt: skip
+            usage = list(reply)[-1].usage if i % 2 else reply.usage  # type: ignore[union-attr, arg-type]
+            prompt_tokens += usage.prompt_tokens
+            completion_tokens += usage.completion_tokens
+    after = scrape(http_tiny_engine.http_url)
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert completion_tokens == sum(lengths)
+    assert grew("cbpipe:prompt_tokens_total") == prompt_tokens
+    assert grew("cbpipe:generation_tokens_total") == completion_tokens
+    assert grew("cbpipe:request_success_total{finished_reason=length}") == len(lengths)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):  # fmt: skip
+        assert grew(f"cbpipe:{name}_count") == len(lengths), name
+    assert grew("cbpipe:inter_token_latency_seconds_count") == completion_tokens - len(lengths)
+    assert after["cbpipe:num_requests_running"] == 0
+    assert after["cbpipe:num_requests_waiting"] == 0
+    assert after["cbpipe:kv_cache_usage_perc"] == 0
+
+
+# --- the engine goes away ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_http_engine() -> Iterator[EngineRun]:
+    run = EngineRun((*MODEL_FLAGS, "--port", "0"))
+    try:
+        run.wait_ready(POOL_READY_TIMEOUT_S)
+        yield run
+        run.finish()
+    finally:
+        run.discard()
+
+
+def test_a_dead_engine_is_a_503(fresh_http_engine: EngineRun) -> None:
+    import os
+    import signal
+
+    url = fresh_http_engine.http_url
+    assert httpx.get(url + "/health").status_code == 200
+    # Hold the launcher, which would otherwise stop the servers as soon as the scheduler died.
+    os.kill(fresh_http_engine.pid, signal.SIGSTOP)
+    try:
+        os.kill(fresh_http_engine.engine.scheduler_pid, signal.SIGKILL)
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        while (health := httpx.get(url + "/health")).status_code == 200:
+            assert time.monotonic() < deadline, "still healthy"
+            time.sleep(0.05)
+        assert health.status_code == 503
+        error_of(health)
+        response = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert response.status_code == 503
+        assert error_of(response)["type"] == "service_unavailable"
+    finally:
+        os.kill(fresh_http_engine.pid, signal.SIGCONT)
+    assert fresh_http_engine.engine.wait_exit(RESULT_TIMEOUT_S) == 1
