@@ -134,7 +134,7 @@ class AsyncJob:
     async def cancel(self) -> None:
         """Ask the engine to stop this job; ``result()`` then reports ``"cancelled"``."""
         if not self.done:
-            await self._client._send(Cancel(self.request_id))
+            self._client._send(Cancel(self.request_id))
 
     def cancel_nowait(self) -> None:
         """``cancel()`` for code that cannot await (a cancelled task's clean-up); a client
@@ -260,7 +260,7 @@ class AsyncClient:
         self._check_usable()
         waiter: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(waiter)
-        await self._send(GetStats())
+        self._send(GetStats())
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except TimeoutError:
@@ -272,7 +272,7 @@ class AsyncClient:
             return
         if self._failure is None and self._welcome is not None:
             with contextlib.suppress(zmq.ZMQError):
-                await self._send(Goodbye())  # the engine cancels what is still running for us
+                self._send(Goodbye())  # the engine cancels what is still running for us
         self._closing = True
         for task in self._tasks:
             task.cancel()
@@ -292,7 +292,7 @@ class AsyncClient:
         receiving = loop.create_task(self._receive(), name="cbpipe-client-receive")
         watching = loop.create_task(self._watch_connection(receiving), name="cbpipe-client-watch")
         self._tasks = [receiving, watching]
-        await self._send(Hello())
+        self._send(Hello())
         try:
             await asyncio.wait_for(asyncio.shield(self._welcomed), timeout)
         except TimeoutError:
@@ -304,11 +304,14 @@ class AsyncClient:
             await self.close()
             raise
 
-    async def _send(self, message: Message) -> None:
+    def _send(self, message: Message) -> None:
         self._check_usable()
-        await self._socket.send(encode(message))
+        self._send_nowait(encode(message))
 
     def _send_nowait(self, frame: bytes) -> None:
+        """Queue a frame without waiting for ZeroMQ to take it: a DEALER whose connection
+        failed its handshake has no pipe, and an awaited send would wait past every timeout
+        (the connection watcher says why the client failed)."""
         sent = asyncio.ensure_future(self._socket.send(frame))  # already a future: no task
         sent.add_done_callback(self._check_sent)
 

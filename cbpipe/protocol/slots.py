@@ -134,7 +134,13 @@ class StepInputs(Generic[A]):
         "int32",
         _per_seq,
         "the request's row in the device's per-request state (token counts, logit bias), "
-        "stable while it runs; a sequence whose rows start at position 0 resets its row",
+        "stable while it runs",
+    )
+    resets_row: A = _slot_field(
+        "bool",
+        _per_seq,
+        "the request took its request_row in this step (new, or resumed after a preemption, "
+        "from position 0 or after a cached prefix): the row's state is cleared first",
     )
     num_prompt_tokens: A = _slot_field(
         "int32",
@@ -159,7 +165,7 @@ class StepExtras(Generic[A]):
         "int32",
         lambda lim: lim.max_seqs * MAX_BIAS_ENTRIES_PER_SEQ,
         "request_row of each logit-bias entry; entries [0, Step.num_bias_entries) are set, in "
-        "order, after the rows of sequences starting at position 0 are reset",
+        "order, after the rows of sequences with resets_row are cleared",
     )
     bias_token_ids: A = _slot_field(
         "int32", lambda lim: lim.max_seqs * MAX_BIAS_ENTRIES_PER_SEQ, "token of each entry"

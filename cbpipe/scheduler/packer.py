@@ -134,7 +134,7 @@ class BatchPacker:
         for index in range(num_decodes, num_seqs):
             row = self._pack_chunk_rows(views, seqs[index], row)
         rows = np.fromiter((s.req.table_row for s in seqs), dtype=np.intp, count=num_seqs)
-        width = self._pack_sequences(inputs, seqs, rows, plan.block_tables)
+        width = self._pack_sequences(inputs, seqs, rows, plan.block_tables, plan.assigned)
         mode = _MODES[int(self.table.mode_rank[rows].max())]
         num_bias_entries = 0
         if mode is SamplingMode.FULL and self.table.bias_state[rows].any():
@@ -228,6 +228,7 @@ class BatchPacker:
         seqs: list[ScheduledSeq],
         rows: np.ndarray,
         block_tables: np.ndarray,
+        assigned: list[Request],
     ) -> int:
         """Per-sequence fields and block tables; returns the block-table row width."""
         n = len(seqs)
@@ -238,6 +239,11 @@ class BatchPacker:
         inputs.output_index[:n] = [s.output_index for s in seqs]
         inputs.request_row[:n] = rows
         inputs.has_prompt_logprobs[:n] = [s.prompt_logprobs for s in seqs]
+        if assigned:
+            taken = np.fromiter((req.table_row for req in assigned), np.intp, len(assigned))
+            inputs.resets_row[:n] = np.isin(rows, taken)
+        else:
+            inputs.resets_row[:n] = False
         for name in _TABLE_FIELDS:
             getattr(inputs, name)[:n] = getattr(self.table, name)[rows]
         width = max(len(s.req.block_ids) for s in seqs)
@@ -254,9 +260,10 @@ class BatchPacker:
         them is sampled. Returns the number of entries."""
         extras = views.extras
         count = 0
+        resets = views.inputs.resets_row
         for index in np.flatnonzero(self.table.bias_state[rows]).tolist():
             seq = seqs[index]
-            entries = _bias_entries(seq)
+            entries = _bias_entries(seq, bool(resets[index]))
             if not entries:
                 continue
             end = count + len(entries)
@@ -267,10 +274,10 @@ class BatchPacker:
         return count
 
 
-def _bias_entries(seq: ScheduledSeq) -> list[tuple[int, float]]:
+def _bias_entries(seq: ScheduledSeq, resets_row: bool) -> list[tuple[int, float]]:
     req, params = seq.req, seq.req.params
     entries: list[tuple[int, float]] = []
-    if seq.start == 0:
+    if resets_row:
         entries.extend(params.logit_bias)
         if seq.output_index < params.min_tokens:
             entries.extend((token, float("-inf")) for token in req.banned_until_min_tokens)

@@ -89,6 +89,16 @@ class ServerMetrics:
         self.kv_cache_usage = gauge(
             "cbpipe:kv_cache_usage_perc", "Share of the KV-cache blocks in use, 0 to 1."
         )
+        # Engine totals, read from its Stats: gauges, since every server process sees the same
+        # totals and counters would add them up across processes.
+        self.prefix_cache_queries = gauge(
+            "cbpipe:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache since the engine started.",
+        )
+        self.prefix_cache_hits = gauge(
+            "cbpipe:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not computed) since the engine started.",
+        )
         self.prompt_tokens = Counter(
             "cbpipe:prompt_tokens", "Prompt tokens of the requests served.", names,
             registry=self.registry,
@@ -121,6 +131,8 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.set(stats.num_prefix_query_tokens)
+        self.prefix_cache_hits.set(stats.num_prefix_hit_tokens)
 
     def exposition(self) -> bytes:
         """The text format of every metric: this process's, or all processes' added up."""

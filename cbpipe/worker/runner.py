@@ -121,7 +121,7 @@ class StepFacts(NamedTuple):
     (which is the worker's from the step message until its H2D copy), to size its device
     work without reading device memory."""
 
-    num_restarts: int = 0  # sequences whose rows start at position 0: their state is reset
+    num_restarts: int = 0  # sequences that took their request row: its state is cleared
     truncation: bool = False  # some sequence has top-k or top-p: the sampler sorts
     num_logits_rows: int = 0  # with prompt log-probabilities: rows that need logits
 
@@ -498,7 +498,7 @@ class StepRunner:
         query_start = host.query_start[: s + 1]
         num_restarts, truncation, num_rows = 0, False, 0
         if full:
-            num_restarts = int(np.count_nonzero(host.positions[query_start[:-1]] == 0))
+            num_restarts = int(np.count_nonzero(host.resets_row[:s]))
             top_k = host.top_k[:s]
             truncation = bool(((top_k > 0) & (top_k < self.vocab)).any())
             truncation = truncation or bool((host.top_p[:s] < 1.0).any())
@@ -508,13 +508,12 @@ class StepRunner:
         return StepFacts(num_restarts, truncation, num_rows)
 
     def _prepare_state(self, step: Step, slot: SlotBuffers, num_restarts: int) -> None:
-        """Before a FULL step's rows are counted: reset the rows of the sequences that start
-        at position 0, then apply the step's logit-bias entries (``sampling_state``). Eager
-        and sized by host integers, also before a graph replay: both are rare."""
+        """Before a FULL step's rows are counted: clear the rows of the sequences that took
+        them in this step, then apply the step's logit-bias entries (``sampling_state``).
+        Eager and sized by host integers, also before a graph replay: both are rare."""
         inputs, s = slot.inputs, step.num_seqs
         if num_restarts:
-            first_positions = inputs.positions[inputs.query_start[:s].long()]
-            restarts = (first_positions == 0).to(torch.int8)
+            restarts = inputs.resets_row[:s].to(torch.int8)
             order = torch.sort(restarts, descending=True, stable=True).indices[:num_restarts]
             self.state.reset(inputs.request_row[:s][order].long())
         if step.num_bias_entries:

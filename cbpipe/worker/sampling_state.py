@@ -22,8 +22,9 @@ Maintained in FULL steps only; every step that holds a request needing the state
 scheduler's rule), so no update a request needs is ever skipped. Per step, on the compute
 stream, in this order:
 
-1. ``reset`` the rows of sequences whose rows start at position 0 (new, or restarting after a
-   preemption by recompute);
+1. ``reset`` the rows of sequences that took them in this step (the slot's ``resets_row``:
+   new, or resumed after a preemption; from position 0, or after a cached prefix, whose rows
+   are never counted: requests that need the counts or the bias read no cached blocks);
 2. ``apply_bias``: the step's logit-bias entries, in order (the last entry for a (row, token)
    wins);
 3. ``count_inputs``: each row of the step whose position is at or past its row's
@@ -46,9 +47,9 @@ Why the counts are right:
   graph) or an output being recomputed after a preemption (counted as an output). So after a
   recompute the row holds exactly what it held before the preemption.
 - A request that finished (or was cancelled, or preempted) while it still had rows in steps
-  in flight updates its old row in those steps; whoever takes that row next starts at
-  position 0 in a later step, which resets the row first. A preempted request resumes, in
-  a step planned after the preemption, from position 0 in whichever row it gets.
+  in flight updates its old row in those steps; whoever takes that row next takes it in a
+  later step, which resets the row first. A preempted request resumes, in a step planned
+  after the preemption, in whichever row it gets, and resets it.
 - A sequence that does not sample (a prompt chunk before the last) counts its rows in (3)
   but not the token sampled from its last row, which nobody reads.
 - Padding rows of a graph bucket, and bias entries past the step's count, go to the spare
@@ -93,7 +94,7 @@ class SamplingState:
         return self.bias.shape[0] - 1
 
     def reset(self, rows: torch.Tensor) -> None:
-        """Clear ``rows`` (``[n]`` int64) for requests that start at position 0."""
+        """Clear ``rows`` (``[n]`` int64) for the requests that took them in this step."""
         for table in (self.output_counts, self.seen, self.bias):
             table.index_fill_(0, rows, 0)
         self.num_counted.index_fill_(0, rows, 0)

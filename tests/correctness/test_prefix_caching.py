@@ -155,3 +155,20 @@ def test_requests_with_penalties_or_prompt_logprobs_do_not_read_the_cache() -> N
     assert run.blocks.num_hit_tokens == 0
     run.generate([prompt], [greedy(4)])
     assert run.blocks.num_hit_tokens == 32  # published by the first
+
+
+def test_a_request_after_a_cached_prefix_starts_from_a_clean_device_row() -> None:
+    """One request row: the second request takes the row the first biased, and starts after
+    the first's cached prompt, never at position 0. Its full sampler must not see the bias."""
+    rng = random.Random(10)
+    prompt = tokens(rng, 40)
+    suffix = prompt + tokens(rng, 5)
+    expected = reference_greedy(QWEN, suffix, 6, None)
+    favoured = next(t for t in range(3, 512) if t not in expected)
+    run = engine(max_num_seqs=1)
+    biased = SamplingParams(6, logit_bias=((favoured, 100.0),), ignore_eos=True)
+    assert run.generate([prompt], [biased]) == [[favoured] * 6]
+    # top_k makes it a FULL request (the bias row is read), and greedy is still greedy.
+    full_greedy = SamplingParams(6, top_k=5, ignore_eos=True)
+    assert run.generate([suffix], [full_greedy]) == [expected]
+    assert run.blocks.num_hit_tokens == 40

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -594,6 +595,18 @@ def test_metrics_count_the_requests_of_both_server_processes(
     assert after["cbpipe:num_requests_running"] == 0
     assert after["cbpipe:num_requests_waiting"] == 0
     assert after["cbpipe:kv_cache_usage_perc"] == 0
+
+
+def test_metrics_show_the_prefix_cache_serving_a_repeated_prompt(
+    http_tiny_engine: EngineRun, tiny_api: openai.OpenAI
+) -> None:
+    prompt = random.Random(42).choices(range(3, 500), k=40)  # two full blocks of 16 to reuse
+    before = scrape(http_tiny_engine.http_url)
+    for _ in range(2):
+        tiny_api.completions.create(model="random:qwen2-tiny", prompt=prompt, max_tokens=2)
+    after = scrape(http_tiny_engine.http_url)
+    assert after["cbpipe:prefix_cache_queries"] - before["cbpipe:prefix_cache_queries"] == 80
+    assert after["cbpipe:prefix_cache_hits"] - before["cbpipe:prefix_cache_hits"] == 32
 
 
 # --- the engine goes away ---------------------------------------------------------------------

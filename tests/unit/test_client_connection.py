@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
-from cbpipe.client import Client, EngineError
+from cbpipe.client import AsyncClient, Client, EngineError
+from cbpipe.client import async_client as async_client_module
 from cbpipe.client import client as client_module
 from cbpipe.protocol.security import CurveKeys
 
@@ -39,5 +41,12 @@ def test_a_refused_handshake_fails_the_client_even_when_zeromq_takes_no_frame(
         socket.setsockopt(zmq.IMMEDIATE, 1)
 
     monkeypatch.setattr(client_module, "configure_client_socket", without_a_pipe)
+    monkeypatch.setattr(async_client_module, "configure_client_socket", without_a_pipe)
     with pytest.raises(EngineError, match="api key"):
         Client(curve_engine_address, api_key=api_key, connect_timeout=30)
+
+    async def connect() -> None:
+        await AsyncClient.connect(curve_engine_address, api_key=api_key, connect_timeout=30)
+
+    with pytest.raises(EngineError, match="api key"):
+        asyncio.run(connect())
