@@ -9,6 +9,13 @@ every request runs to its full output length (``ignore_eos``), so both modes do 
         --prompt-len 16 --output-len 16
     python scripts/bench.py --model random:llama-8b --num-requests 32 --prompt-len 128 \\
         --output-len 1024 --json out/bench.json
+
+A shared system prompt, with the prefix cache on and off (``--compare-prefix-caching`` runs
+each mode again with ``--no-prefix-caching``):
+
+    python scripts/bench.py --model random:llama-8b --num-requests 512 --modes async \\
+        --shared-prefix-len 2000 --random-prompt-len 50,150 --output-len 128 \\
+        --compare-prefix-caching
 """
 
 from __future__ import annotations
@@ -40,15 +47,18 @@ WARMUP_OUTPUT_LEN = 8
 
 @dataclass(frozen=True)
 class Workload:
-    """Per-request prompt and output lengths; the prompts themselves need the vocabulary."""
+    """Per-request prompt and output lengths; the prompts themselves need the vocabulary.
+    Every prompt starts with the same ``shared_prefix_len`` tokens, then has its own."""
 
-    prompt_lens: list[int]
+    prompt_lens: list[int]  # the prompts' own tokens, after the shared prefix
     output_lens: list[int]
     seed: int
+    shared_prefix_len: int = 0
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
         rng = random.Random(self.seed)
-        return [[rng.randrange(vocab_size) for _ in range(n)] for n in self.prompt_lens]
+        prefix = [rng.randrange(vocab_size) for _ in range(self.shared_prefix_len)]
+        return [prefix + [rng.randrange(vocab_size) for _ in range(n)] for n in self.prompt_lens]
 
 
 @dataclass
@@ -64,6 +74,8 @@ class ModeResult:
     mean_ttft_ms: float
     median_ttft_ms: float
     length_errors: int  # results that did not have exactly their output length
+    # Prompt tokens found in the prefix cache over those looked up, during the measurement
+    prefix_hit_rate: float | None
     start_ns: int  # perf_counter_ns at the first submit (the clock of the engine's trace)
     submitted_ns: int  # ... and after the last submit returned
     # From the engine's step trace, over the steps planned once every request was submitted
@@ -111,6 +123,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="draw each output length uniformly from [LO, HI]",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for lengths and prompts")
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every prompt starts with the same N tokens (a system prompt), then has its own",
+    )
+    p.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="run each mode again with --no-prefix-caching",
+    )
     p.add_argument("--modes", type=_modes, default=MODES, help="comma list of async, sync")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-batch-tokens", type=int)
@@ -167,17 +191,30 @@ def make_workload(args: argparse.Namespace) -> Workload:
 
     prompt_lens = lengths(args.prompt_len, args.random_prompt_len)
     output_lens = lengths(args.output_len, args.random_output_len)
-    return Workload(prompt_lens, output_lens, args.seed + 1)
+    return Workload(prompt_lens, output_lens, args.seed + 1, args.shared_prefix_len)
 
 
-def launcher_args(args: argparse.Namespace, mode: str) -> list[str]:
+NO_CACHE = " no-cache"  # the suffix of a run's name with the prefix cache off
+
+
+def run_names(args: argparse.Namespace) -> list[str]:
+    """The runs: each mode, and each again without the prefix cache when comparing."""
+    names = list(args.modes)
+    if args.compare_prefix_caching:
+        names += [mode + NO_CACHE for mode in args.modes]
+    return names
+
+
+def launcher_args(args: argparse.Namespace, run: str) -> list[str]:
     cmd = ["--model", args.model]
     for flag in ("device", "dtype", "max_num_seqs", "max_batch_tokens"):
         value = getattr(args, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
-    if mode == "sync":
+    if run.startswith("sync"):
         cmd.append("--sync")
+    if run.endswith(NO_CACHE):
+        cmd.append("--no-prefix-caching")
     return cmd + list(args.launch_arg)
 
 
@@ -188,7 +225,7 @@ def run_mode(
     args: argparse.Namespace, mode: str, workload: Workload, trace_dir: Path, floor: Floor | None
 ) -> tuple[ModeResult, list[list[int]]]:
     """Measure one mode; also returns every request's generated token ids."""
-    trace = trace_dir / f"trace_{mode}.json"
+    trace = trace_dir / f"trace_{mode.replace(' ', '_')}.json"
     flags = [*launcher_args(args, mode), "--trace", str(trace)]
     started = time.perf_counter()
     with EngineProcess.start(flags, timeout=args.ready_timeout) as engine:
@@ -234,7 +271,7 @@ def _run_on(
 ) -> tuple[ModeResult, list[list[int]]]:
     with Client(engine.address) as client:
         lens = zip(workload.prompt_lens, workload.output_lens, strict=True)
-        longest = max(p + o for p, o in lens)
+        longest = workload.shared_prefix_len + max(p + o for p, o in lens)
         if longest > client.max_model_len:
             raise SystemExit(
                 f"prompt + output of {longest} tokens exceeds the engine's "
@@ -259,6 +296,7 @@ def measure(
     startup_s: float,
     timeout: float,
 ) -> tuple[ModeResult, list[list[int]]]:
+    before = client.stats()
     start_ns = time.perf_counter_ns()
     start = time.perf_counter()
     jobs = [
@@ -278,6 +316,9 @@ def measure(
     deadline = start + timeout
     results = [job.result(timeout=max(deadline - time.perf_counter(), 0.0)) for job in jobs]
     wall_s = time.perf_counter() - start
+    after = client.stats()
+    queried = after.num_prefix_query_tokens - before.num_prefix_query_tokens
+    hits = after.num_prefix_hit_tokens - before.num_prefix_hit_tokens
     ttft_ms = [(t - start) * 1e3 for t in first_token if t is not None]
     num_prompt = sum(len(p) for p in prompts)
     num_output = sum(len(r.token_ids) for r in results)
@@ -297,6 +338,7 @@ def measure(
         mean_ttft_ms=round(statistics.fmean(ttft_ms), 2) if ttft_ms else float("nan"),
         median_ttft_ms=round(statistics.median(ttft_ms), 2) if ttft_ms else float("nan"),
         length_errors=errors,
+        prefix_hit_rate=round(hits / queried, 4) if queried else None,
         start_ns=start_ns,
         submitted_ns=submitted_ns,
     )
@@ -323,6 +365,7 @@ ROWS = (
     ("median TTFT ms", "median_ttft_ms", "{:.1f}"),
     ("engine start s", "startup_s", "{:.1f}"),
     ("length errors", "length_errors", "{}"),
+    ("prefix hit rate", "prefix_hit_rate", "{:.2%}"),
     ("decode-only steps", "decode_steps", "{}"),
     ("decode phase steps", "phase_steps", "{}"),
     ("device busy", "device_busy", "{:.2%}"),
@@ -369,11 +412,13 @@ def measure_floor(args: argparse.Namespace) -> Floor | None:
     return Floor(sizes, bandwidth)
 
 
-def same_outputs(outputs: dict[str, list[list[int]]]) -> int | None:
-    """How many requests generated the same tokens in both modes (None: one mode ran)."""
-    if "async" not in outputs or "sync" not in outputs:
+def same_outputs(
+    outputs: dict[str, list[list[int]]], first: str = "async", second: str = "sync"
+) -> int | None:
+    """How many requests generated the same tokens in two runs (None: one did not run)."""
+    if first not in outputs or second not in outputs:
         return None
-    return sum(a == s for a, s in zip(outputs["async"], outputs["sync"], strict=True))
+    return sum(a == s for a, s in zip(outputs[first], outputs[second], strict=True))
 
 
 def speedup(results: dict[str, ModeResult]) -> float | None:
@@ -386,22 +431,37 @@ def print_table(
     args: argparse.Namespace,
     workload: Workload,
     results: dict[str, ModeResult],
-    num_same: int | None,
+    outputs: dict[str, list[list[int]]],
 ) -> None:
-    modes = [m for m in ("sync", "async") if m in results]
+    order = ("sync", "async", "sync" + NO_CACHE, "async" + NO_CACHE)
+    runs = [m for m in order if m in results]
+    num_requests = len(workload.prompt_lens)
+    prompt_tokens = sum(workload.prompt_lens) + workload.shared_prefix_len * num_requests
+    shared = f" ({workload.shared_prefix_len} shared)" if workload.shared_prefix_len else ""
     print(
-        f"\nmodel {args.model}, {len(workload.prompt_lens)} requests, "
-        f"{sum(workload.prompt_lens)} prompt + {sum(workload.output_lens)} output tokens"
+        f"\nmodel {args.model}, {num_requests} requests, {prompt_tokens} prompt tokens"
+        f"{shared} + {sum(workload.output_lens)} output tokens"
     )
-    print(f"{'':16}" + "".join(f"{m:>12}" for m in modes))
+    width = max(12, *(len(m) + 2 for m in runs))
+    print(f"{'':20}" + "".join(f"{m:>{width}}" for m in runs))
     for label, key, fmt in ROWS:
-        values = [getattr(results[m], key) for m in modes]
-        cells = "".join(f"{'n/a' if v is None else fmt.format(v):>12}" for v in values)
-        print(f"{label:16}{cells}")
+        values = [getattr(results[m], key) for m in runs]
+        cells = "".join(f"{'n/a' if v is None else fmt.format(v):>{width}}" for v in values)
+        print(f"{label:20}{cells}")
     if (gain := speedup(results)) is not None:
         print(f"async speed-up (output tok/s): {gain:.3f}x")
-    if num_same is not None:
-        print(f"same tokens in sync and async: {num_same}/{len(workload.prompt_lens)} requests")
+    if (num_same := same_outputs(outputs)) is not None:
+        print(f"same tokens in sync and async: {num_same}/{num_requests} requests")
+    for mode in ("async", "sync"):
+        cached, uncached = results.get(mode), results.get(mode + NO_CACHE)
+        if cached is None or uncached is None:
+            continue
+        same = same_outputs(outputs, mode, mode + NO_CACHE)
+        print(
+            f"{mode} with the prefix cache: {uncached.wall_s / cached.wall_s:.2f}x faster, "
+            f"median TTFT {uncached.median_ttft_ms / cached.median_ttft_ms:.2f}x shorter, "
+            f"same tokens as without it: {same}/{num_requests} requests"
+        )
     print(flush=True)
 
 
@@ -409,7 +469,7 @@ def write_json(
     path: Path,
     args: argparse.Namespace,
     results: dict[str, ModeResult],
-    num_same: int | None,
+    outputs: dict[str, list[list[int]]],
     baselines: list[BaselineResult] | None = None,
 ) -> None:
     settings = {k: v for k, v in vars(args).items() if k != "json"}
@@ -417,7 +477,10 @@ def write_json(
         "settings": settings,
         "modes": {m: asdict(r) for m, r in results.items()},
         "async_speedup": speedup(results),
-        "same_tokens_in_both_modes": num_same,
+        "same_tokens_in_both_modes": same_outputs(outputs),
+        "same_tokens_without_the_prefix_cache": {
+            mode: same_outputs(outputs, mode, mode + NO_CACHE) for mode in MODES
+        },
         "transformers": [asdict(b) for b in baselines or []],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -435,17 +498,17 @@ def main(argv: list[str] | None = None) -> int:
     temporary = tempfile.TemporaryDirectory(prefix="cbpipe-bench-")
     trace_dir = args.trace_dir or Path(temporary.name)
     trace_dir.mkdir(parents=True, exist_ok=True)
-    for mode in args.modes:
-        print(f"--- {mode}: cbpipe-launch {' '.join(launcher_args(args, mode))}", flush=True)
-        results[mode], outputs[mode] = run_mode(args, mode, workload, trace_dir, floor)
-        print(json.dumps(asdict(results[mode])), flush=True)
+    for run in run_names(args):
+        print(f"--- {run}: cbpipe-launch {' '.join(launcher_args(args, run))}", flush=True)
+        results[run], outputs[run] = run_mode(args, run, workload, trace_dir, floor)
+        print(json.dumps(asdict(results[run])), flush=True)
         if args.json is not None:  # after each mode, so a timeout keeps what was measured
-            write_json(args.json, args, results, same_outputs(outputs))
-    print_table(args, workload, results, same_outputs(outputs))
+            write_json(args.json, args, results, outputs)
+    print_table(args, workload, results, outputs)
     if args.compare_transformers:
         baselines = compare_transformers(args, workload, outputs)
         if args.json is not None:
-            write_json(args.json, args, results, same_outputs(outputs), baselines)
+            write_json(args.json, args, results, outputs, baselines)
     return 1 if any(r.length_errors for r in results.values()) else 0
 
 

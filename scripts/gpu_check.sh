@@ -34,6 +34,10 @@
 #            count its own engine) and through ZeroMQ; random:llama-8b over HTTP at Poisson
 #            arrival rates SERVING_8B_RATES, time to first token and inter-token latency
 #            p50/p90/p99 (needs the HTTP wheels: README)                         (~7 min)
+#   prefix   prefix caching on and off: random:llama-8b, 512 requests sharing a 2000-token
+#            system prompt plus 50-150 tokens of their own, 128 new tokens (PREFIX_REQUESTS),
+#            async; random:llama-1b, 64 conversations of 8 turns (each re-sends its history
+#            plus 100 new tokens, 128 new tokens a turn): time to first token per turn (~5 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
@@ -54,6 +58,8 @@
 #   SERVING_8B_PROMPTS=128        requests at each rate
 #   SERVING_8B_SERVERS=2          HTTP server processes of the 8B run
 #   SERVING_TIMEOUT=300           seconds for each serving run (start-up included)
+#   PREFIX_REQUESTS=512           requests of the prefix part's shared-prompt run
+#   PREFIX_TIMEOUT=300            seconds for each of the prefix part's two runs (both caches)
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=480       seconds for the tests part (the suite took 361 s at 92754fa)
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
@@ -355,11 +361,30 @@ if want serving; then
     rcs+=("serving=$(grep '^exit code' "$OUT/serving.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
+if want prefix; then
+    {
+        section "shared system prompt, random:llama-8b, prefix cache on and off"
+        timeout -k 30 "${PREFIX_TIMEOUT:-300}" "$PY" scripts/bench.py --model random:llama-8b \
+            --num-requests "${PREFIX_REQUESTS:-512}" --shared-prefix-len 2000 \
+            --random-prompt-len 50,150 --output-len $((128 / BENCH_SCALE)) --modes async \
+            --compare-prefix-caching ${bench_extra[@]+"${bench_extra[@]}"} \
+            --json "$OUT/prefix_8b.json"
+        echo "exit code $?"
+        section "multi-turn conversations, random:llama-1b, prefix cache on and off"
+        timeout -k 30 "${PREFIX_TIMEOUT:-300}" "$PY" scripts/bench_multiturn.py \
+            --model random:llama-1b --conversations 64 --turns 8 --new-tokens 100 \
+            --output-len $((128 / BENCH_SCALE)) --json "$OUT/multiturn_1b.json"
+        echo "exit code $?"
+    } 2>&1 | tee "$OUT/prefix.log"
+    rcs+=("prefix=$(grep '^exit code' "$OUT/prefix.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
 {
     section summary
     echo "PARTS=$PARTS exit codes: ${rcs[*]} (124: timed out); BENCH_SCALE=$BENCH_SCALE"
     echo "total $((SECONDS - started)) s"
     grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log 2>/dev/null || true
+    grep -h -A 30 '^model ' "$OUT"/prefix.log 2>/dev/null || true
     grep -h -E '^(runner ready|per step|=====)' "$OUT"/sampling.log 2>/dev/null || true
     grep -h -e 'architectures match exactly' -e '^refused as expected' "$OUT"/models.log \
         2>/dev/null || true
