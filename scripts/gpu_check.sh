@@ -58,6 +58,7 @@
 #   SERVING_8B_PROMPTS=128        requests at each rate
 #   SERVING_8B_SERVERS=2          HTTP server processes of the 8B run
 #   SERVING_TIMEOUT=300           seconds for each serving run (start-up included)
+#   PREFIX_RUNS=system,multiturn  the prefix part's runs
 #   PREFIX_REQUESTS=512           requests of the prefix part's shared-prompt run
 #   PREFIX_TIMEOUT=300            seconds for each of the prefix part's two runs (both caches)
 #   PYTEST_K=              a pytest -k expression to run part of the tests
@@ -363,6 +364,7 @@ fi
 
 if want prefix; then
     {
+        if [[ ",${PREFIX_RUNS:-system,multiturn}," == *",system,"* ]]; then
         section "shared system prompt, random:llama-8b, prefix cache on and off"
         timeout -k 30 "${PREFIX_TIMEOUT:-300}" "$PY" scripts/bench.py --model random:llama-8b \
             --num-requests "${PREFIX_REQUESTS:-512}" --shared-prefix-len 2000 \
@@ -370,11 +372,14 @@ if want prefix; then
             --compare-prefix-caching ${bench_extra[@]+"${bench_extra[@]}"} \
             --json "$OUT/prefix_8b.json"
         echo "exit code $?"
+        fi
+        if [[ ",${PREFIX_RUNS:-system,multiturn}," == *",multiturn,"* ]]; then
         section "multi-turn conversations, random:llama-1b, prefix cache on and off"
         timeout -k 30 "${PREFIX_TIMEOUT:-300}" "$PY" scripts/bench_multiturn.py \
             --model random:llama-1b --conversations 64 --turns 8 --new-tokens 100 \
             --output-len $((128 / BENCH_SCALE)) --json "$OUT/multiturn_1b.json"
         echo "exit code $?"
+        fi
     } 2>&1 | tee "$OUT/prefix.log"
     rcs+=("prefix=$(grep '^exit code' "$OUT/prefix.log" | awk '{print $3}' | paste -sd/ -)")
 fi

@@ -24,7 +24,7 @@ from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
-from cbpipe.worker.cuda_graphs import bucket_sizes
+from cbpipe.worker.cuda_graphs import bucket_sizes, capture_blocker
 from cbpipe.worker.model_loader import allocate_kv_cache, load_model, load_paged_model
 from cbpipe.worker.runner import LaunchedStep, StepRunner
 
@@ -116,7 +116,9 @@ class InProcessEngine:
         self.packer = BatchPacker(self.segment, self.layout, self.block_size)
         kv = allocate_kv_cache(paged, self.num_blocks, self.block_size, self.device, self.dtype)
         kernel = _decode_kernel(self.attention_backend, self.device)
-        graphs = self.cuda_graphs and kernel is not None
+        graphs = (
+            self.cuda_graphs and kernel is not None and capture_blocker(model, self.dtype) is None
+        )
         self.runner = StepRunner(
             model,
             paged,

@@ -63,6 +63,24 @@ FULL_VARIANTS = tuple(
 )
 
 
+def capture_blocker(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """Why ``model``'s decode steps cannot be captured in a CUDA graph, or None.
+
+    Mixture-of-experts layers on transformers' ``grouped_mm`` experts run torch's grouped
+    matrix product, which has a CUDA kernel for bfloat16 only; in other dtypes torch falls back
+    to a loop over the groups that reads their offsets back to the host, which a capture
+    refuses. Such a model decodes eagerly (same tokens, slower steps).
+    """
+    implementation = getattr(model.config, "_experts_implementation", None)
+    has_experts = any(type(m).__name__.endswith("Experts") for m in model.modules())
+    if has_experts and implementation == "grouped_mm" and dtype != torch.bfloat16:
+        return (
+            f"its experts run torch's grouped_mm, which in {str(dtype).removeprefix('torch.')} "
+            "reads group offsets back to the host"
+        )
+    return None
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: fine steps where padding costs most, coarser further up.
 

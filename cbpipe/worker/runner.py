@@ -229,6 +229,27 @@ class StepRunner:
             if int(status) != 0:
                 raise RuntimeError(f"cudaHostRegister failed with status {status}")
             self._registered_ptr = host.data_ptr()
+        try:
+            self._set_up(host, model, decode_kernel, prefill_kernel, graph_batch_sizes,
+                         compile_decode, sampling_state, full_sampling_graphs)  # fmt: skip
+        except BaseException:
+            # A failed start (a graph that cannot be captured, memory) must not leave the
+            # segment registered: a later segment mapped at the same address would fail to.
+            self.close()
+            raise
+
+    def _set_up(
+        self,
+        host: torch.Tensor,
+        model: PreTrainedModel,
+        decode_kernel: DecodeKernel | None,
+        prefill_kernel: PrefillKernel | None,
+        graph_batch_sizes: Sequence[int],
+        compile_decode: bool,
+        sampling_state: SamplingState | None,
+        full_sampling_graphs: bool,
+    ) -> None:
+        device, layout = self.device, self.layout
         self.slots = [self._slot_buffers(host, k) for k in range(layout.num_slots)]
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self.compute_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -404,7 +425,8 @@ class StepRunner:
 
     def close(self) -> None:
         if self._registered_ptr is not None:
-            torch.cuda.synchronize(self.device)
+            with contextlib.suppress(RuntimeError):  # a failed capture may have left an error
+                torch.cuda.synchronize(self.device)
             torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
             self._registered_ptr = None
 

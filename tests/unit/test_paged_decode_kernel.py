@@ -260,7 +260,10 @@ def assert_result(case: Case, result: dict[str, object]) -> None:
     assert result["max_err"] <= _ATOL[case.dtype], f"{case.name}: max error {result['max_err']}"
     has_variant = case.window is not None or case.softcap is not None or case.sinks
     if has_variant and case.variant_matters:
-        assert result["variant_effect"] > 10 * _ATOL[case.dtype], f"{case.name}: no effect"
+        # The variant must move the reference by more than the tolerance, so that a kernel
+        # that ignored it would fail the check above. Not by a fixed multiple: in bfloat16 a
+        # window of 4096 over random keys moves an average of thousands of values by ~0.06.
+        assert result["variant_effect"] > 2 * _ATOL[case.dtype], f"{case.name}: no effect"
 
 
 def _interpreter_main() -> None:
