@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cbpipe.models import resolve_model  # noqa: E402
-from cbpipe.models.support import UnsupportedModel  # noqa: E402
+from cbpipe.models.support import UnsupportedModel, reference_attention  # noqa: E402
 from cbpipe.protocol.sampling import SamplingParams  # noqa: E402
 from cbpipe.worker.model_loader import load_model, load_paged_model  # noqa: E402
 from tests.architectures import REFUSED, SERVED, WINDOW, Arch, build_checkpoint  # noqa: E402
@@ -87,7 +87,10 @@ def check(arch: Arch, folder: Path, device: torch.device, dtype: torch.dtype) ->
         got = engine.generate(prompts(), params, mode="random", rng=random.Random(3))
     finally:
         engine.close()
-    model = load_model(resolve_model(name), device, dtype, attn_implementation=None)
+    source = resolve_model(name)
+    model = load_model(
+        source, device, dtype, attn_implementation=reference_attention(source.config)
+    )
     divergences = []
     equal = 0
     for prompt, output in zip(prompts(), got, strict=True):

@@ -17,6 +17,7 @@ from functools import cache
 import torch
 
 from cbpipe.models import resolve_model
+from cbpipe.models.support import reference_attention
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.scheduler.block_manager import BlockManager
@@ -40,8 +41,11 @@ def paged_model(
 
 @cache
 def reference_model(name: str, device: torch.device = CPU) -> torch.nn.Module:
-    """transformers' own attention: SDPA, or eager where the model does not support SDPA."""
-    return load_model(resolve_model(name), device, torch.float32, attn_implementation=None)
+    """transformers' own attention: SDPA, or eager where the model does not support SDPA or
+    soft-caps its attention (``support.reference_attention``)."""
+    source = resolve_model(name)
+    implementation = reference_attention(source.config)
+    return load_model(source, device, torch.float32, attn_implementation=implementation)
 
 
 def reference_greedy(

@@ -106,3 +106,24 @@ def _uses_alibi(config: PretrainedConfig) -> bool:
     if isinstance(attn_config, dict):
         return bool(attn_config.get("alibi"))
     return bool(getattr(attn_config, "alibi", False))
+
+
+def reference_attention(config: PretrainedConfig) -> str | None:
+    """The ``attn_implementation`` to check cbpipe against: transformers' choice (SDPA where
+    the model supports it), except eager for attention soft-capping, which SDPA cannot compute
+    and some transformers versions (5.17's Gemma 2) still dispatch to it, dropping the cap."""
+    capped = getattr(config.get_text_config(), "attn_logit_softcapping", None)
+    return "eager" if capped else None
+
+
+def own_attention_table_error(config: PretrainedConfig, exc: KeyError) -> UnsupportedModel:
+    """The refusal of a model class that looks its attention class up in a table of its own
+    (a ``KeyError`` for cbpipe's registered name while it is built)."""
+    return UnsupportedModel(
+        architecture_name(config),
+        [
+            f"its layers pick their attention class from the model's own table (no entry "
+            f"{exc.args[0]!r}), not from transformers' AttentionInterface, so the paged KV "
+            "cache would be bypassed"
+        ],
+    )

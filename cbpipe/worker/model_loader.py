@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from cbpipe.config import CacheConfig
 from cbpipe.models import ModelSource
-from cbpipe.models.support import check_config
+from cbpipe.models.support import check_config, own_attention_table_error
 from cbpipe.worker.attention import KVCache, ModelAttention, StepBinding, probe_model, register
 from cbpipe.worker.fused_projections import fuse_projections
 
@@ -80,9 +80,13 @@ def load_paged_model(
     """
     check_config(source.config, max_model_len)
     binding = StepBinding()
-    model = load_model(
-        source, device, dtype, seed=seed, attn_implementation=register(binding), fuse=fuse
-    )
+    name = register(binding)
+    try:
+        model = load_model(source, device, dtype, seed=seed, attn_implementation=name, fuse=fuse)
+    except KeyError as exc:
+        if exc.args and exc.args[0] == name:  # GPT-J in transformers 5.17, Falcon in any
+            raise own_attention_table_error(source.config, exc) from exc
+        raise
     attention = probe_model(model, binding)
     log.info("%s: %d attention layers, %s", source.name, attention.num_layers,
              attention.describe())  # fmt: skip

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cbpipe.models import resolve_model
+from cbpipe.models.support import reference_attention
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.worker.cuda_graphs import capture_blocker
 from cbpipe.worker.model_loader import load_model
@@ -52,7 +53,9 @@ def _check_against_generate(name: str, prompts: list[list[int]], outputs: list[l
     step by step (no cache: what ``generate`` computes, without the cache classes and the
     compiled static-cache path that ``generate`` takes on CUDA); a difference within a float32
     tie is accepted. ``generate``'s own tokens are printed beside it where they differ."""
-    model = load_model(resolve_model(name), CUDA, torch.float32, attn_implementation=None)
+    source = resolve_model(name)
+    implementation = reference_attention(source.config)
+    model = load_model(source, CUDA, torch.float32, attn_implementation=implementation)
     failures = []
     for prompt, got in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt], device=CUDA)
