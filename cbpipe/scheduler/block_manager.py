@@ -149,6 +149,10 @@ class BlockManager:
             self._hash_of[block] = block_hash
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count a request's prompt tokens as looked up in the cache, ``num_hit_tokens`` of
+        them found; nothing is looked up with caching off."""
+        if not self.prefix_caching:
+            return
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
 

@@ -70,6 +70,7 @@ def sampling_options(
         "ignore_eos",
         "stop",
         "stop_token_ids",
+        "cache_salt",
     ):
         value = getattr(request, name)
         if value is not None:

@@ -35,6 +35,7 @@ ENGINE_NAMES = (
     "logit_bias",
     "logprobs",
     "n",
+    "cache_salt",
 )
 
 _TYPES = {

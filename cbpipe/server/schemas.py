@@ -67,6 +67,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: Literal[True] | None = None  # the engine always skips them
     include_stop_str_in_output: Literal[False] | None = None
     return_token_ids: bool | None = None  # token ids beside the text (and without a tokenizer)
+    cache_salt: str | None = None  # shares cached prompt blocks only with the same salt
     # Accepted and ignored: IGNORED_FIELDS.
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -609,6 +609,22 @@ def test_metrics_show_the_prefix_cache_serving_a_repeated_prompt(
     assert after["cbpipe:prefix_cache_hits"] - before["cbpipe:prefix_cache_hits"] == 32
 
 
+def test_a_cache_salt_keeps_cached_prompts_private(
+    http_tiny_engine: EngineRun, tiny_api: openai.OpenAI
+) -> None:
+    prompt = random.Random(43).choices(range(3, 500), k=40)
+
+    def hits_of(salt: str) -> float:
+        before = scrape(http_tiny_engine.http_url)["cbpipe:prefix_cache_hits"]
+        tiny_api.completions.create(model="random:qwen2-tiny", prompt=prompt, max_tokens=1,
+                                    extra_body={"cache_salt": salt})  # fmt: skip
+        return scrape(http_tiny_engine.http_url)["cbpipe:prefix_cache_hits"] - before
+
+    assert hits_of("alice") == 0
+    assert hits_of("bob") == 0  # the same prompt, another salt: not alice's blocks
+    assert hits_of("alice") == 32
+
+
 # --- the engine goes away ---------------------------------------------------------------------
 
 
