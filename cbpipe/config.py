@@ -117,6 +117,12 @@ class WorkerConfig:
     max_graph_batch: int | None = _opt(
         None, "largest decode batch captured in a graph; default: --max-num-seqs"
     )
+    compile_cache_dir: str | None = _opt(
+        None,
+        "where compiled kernels (inductor's and Triton's) are kept between launches, in a "
+        "folder per model, dtype, device and library versions; default: $CBPIPE_CACHE_DIR, "
+        "else ~/.cache/cbpipe; 'off': the libraries' own defaults",
+    )
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from cbpipe.protocol.messages import (
 )
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
+from cbpipe.worker.compile_cache import use_compile_cache
 from cbpipe.worker.cuda_graphs import bucket_sizes, capture_blocker
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
@@ -105,6 +106,9 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         # Leave a core to the scheduler: the overlap we exist for is between processes.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     source = resolve_model(config.model.model)
+    if device.type == "cuda":  # nothing is compiled on the CPU (Triton is interpreted there)
+        use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
+    phases = StartupPhases()
     model, paged = load_paged_model(
         source,
         device,
@@ -113,6 +117,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         fuse=config.worker.fuse_projections,
         max_model_len=config.model.max_model_len,
     )
+    phases.done("weights")
     # The full sampler's per-request rows come out of the memory the KV cache is sized from.
     vocab = logits_width(model)
     state = SamplingState.allocate(spec.layout.limits.max_seqs, vocab, device)
@@ -124,6 +129,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
     )
     num_blocks = num_kv_blocks(paged, config.cache, device, dtype)
     kv_cache = allocate_kv_cache(paged, num_blocks, config.cache.block_size, device, dtype)
+    phases.done("KV cache")
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
     decode_kernel = attention.load_decode_kernel(config.worker.attention_backend, device)
     graph_sizes: list[int] = []
@@ -148,6 +154,8 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         compile_decode=config.worker.compile_decode and bool(graph_sizes),
         sampling_state=state,
     )
+    phases.done("warm-up and graphs" + (" (compile included)" if runner.compiled else ""))
+    log.info("start-up: %s", phases.describe())
     hello = WorkerReady(
         model=source.name,
         vocab_size=int(model.config.get_text_config().vocab_size),
@@ -157,6 +165,24 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         eos_token_ids=source.eos_token_ids,
     )
     return runner, segment, hello
+
+
+class StartupPhases:
+    """How long each part of the worker's start-up took, for ``--log-level info``."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+    def describe(self) -> str:
+        total = sum(self.seconds.values())
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+        return f"{total:.1f} s ({parts})"
 
 
 def _keep_beating(beat: Callable[[], None]) -> None:

@@ -262,7 +262,7 @@ class StepRunner:
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
-        self._compiled = compile_decode
+        self.compiled = compile_decode  # whether decode graphs run a compiled forward
         self._decode_model = _compile(model) if compile_decode else model
         # Sampling too: its reductions over the vocabulary fuse into a kernel or two. Only in
         # graphs, whose variants (greedy or not, no top-k/top-p) all compile at capture.
@@ -378,7 +378,7 @@ class StepRunner:
             batch_sizes=batch_sizes,
             slots=self.slots,
             stream=self.compute_stream,
-            first_batch=tuning_batch(batch_sizes) if self._compiled else None,
+            first_batch=tuning_batch(batch_sizes) if self.compiled else None,
             full_sampling=full_sampling,
         )
         log.info(
