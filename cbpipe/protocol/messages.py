@@ -418,6 +418,10 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case
                     return value if origin is list else tuple(value)
                 bad = next(i for i, v in enumerate(value) if type(v) is not int)
                 raise ProtocolError(f"{where}[{bad}]: expected int, got {_describe(value[bad])}")
+            if item == list[int] and all(
+                type(row) is list and all(type(v) is int for v in row) for row in value
+            ):  # a step's token lists, one per job: one pass; a bad one is named below
+                return value if origin is list else tuple(value)
             items = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
             return items if origin is list else tuple(items)
     elif isinstance(hint, type) and issubclass(hint, enum.Enum):
