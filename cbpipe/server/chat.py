@@ -5,7 +5,7 @@ streaming or not."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -15,7 +15,6 @@ from starlette.responses import Response
 from cbpipe.client import Result
 from cbpipe.client.jobs import TopLogprobs
 from cbpipe.server.common import (
-    DONE,
     Envelope,
     EventStream,
     ServerState,
@@ -24,6 +23,7 @@ from cbpipe.server.common import (
     new_id,
     now_s,
     sampling_options,
+    stream_events,
     usage,
 )
 from cbpipe.server.errors import APIError, from_engine
@@ -169,7 +169,7 @@ async def _stream(
     return EventStream(events, generation.cancel_unfinished)
 
 
-async def _events(
+def _events(
     generation: Generation,
     body: ChatCompletionRequest,
     text: Text,
@@ -177,29 +177,13 @@ async def _events(
     first: Batch | None,
     batches: AsyncIterator[Batch],
 ) -> AsyncIterator[bytes]:
-    options = body.stream_options
-    continuous = bool(options and options.continuous_usage_stats)
     started: set[int] = set()  # samples whose role went out
-    try:
-        batch = first
-        while batch is not None:
-            for choice in _batch_choices(text, body, batch, started):
-                extra = {}
-                if continuous:
-                    extra["usage"] = usage(
-                        generation.num_prompt_tokens, generation.num_generated_tokens
-                    )
-                yield envelope.event([choice], **extra)
-            batch = await anext(batches, None)
-    except Exception as exc:
-        yield from_engine(exc).event()
-    else:
-        if options and options.include_usage:
-            yield envelope.event(
-                [], usage=usage(generation.num_prompt_tokens, generation.num_generated_tokens)
-            )
-        await generation.results()  # records the finished samples in the metrics
-    yield DONE
+
+    def choices_of(batch: Batch) -> Iterator[list[dict[str, Any]]]:
+        for choice in _batch_choices(text, body, batch, started):
+            yield [choice]
+
+    return stream_events(generation, body.stream_options, envelope, first, batches, choices_of)
 
 
 def _batch_choices(

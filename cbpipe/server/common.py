@@ -19,9 +19,9 @@ from starlette.types import Receive, Scope, Send
 from cbpipe.client import AsyncClient, SamplingOptions
 from cbpipe.client.jobs import TopLogprobs
 from cbpipe.server.errors import APIError, from_engine
-from cbpipe.server.generation import Generation
+from cbpipe.server.generation import Batch, Generation
 from cbpipe.server.metrics import ServerMetrics
-from cbpipe.server.schemas import _SamplingFields
+from cbpipe.server.schemas import StreamOptions, _SamplingFields
 from cbpipe.server.text import Text
 
 
@@ -134,6 +134,41 @@ class Envelope:
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+async def stream_events(
+    generation: Generation,
+    options: StreamOptions | None,
+    envelope: Envelope,
+    first: Batch | None,
+    batches: AsyncIterator[Batch],
+    choices_of: Callable[[Batch], Iterator[list[dict[str, Any]]]],
+) -> AsyncIterator[bytes]:
+    """A stream's server-sent events: one per choice list ``choices_of`` makes of each batch
+    (with the usage so far where ``continuous_usage_stats`` asks), an error event if the
+    engine fails, the usage event ``include_usage`` asks for, then ``[DONE]``."""
+    continuous = bool(options and options.continuous_usage_stats)
+
+    def so_far() -> dict[str, Any]:
+        if not continuous:
+            return {}
+        return {"usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens)}
+
+    try:
+        batch = first
+        while batch is not None:
+            for choices in choices_of(batch):
+                yield envelope.event(choices, **so_far())
+            batch = await anext(batches, None)
+    except Exception as exc:
+        yield from_engine(exc).event()
+    else:
+        if options and options.include_usage:
+            yield envelope.event(
+                [], usage=usage(generation.num_prompt_tokens, generation.num_generated_tokens)
+            )
+        await generation.results()  # records the finished samples in the metrics
+    yield DONE
 
 
 async def first_batch_then(

@@ -9,7 +9,7 @@ the output's (the first token has none).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,6 @@ from starlette.responses import Response
 from cbpipe.client import PromptLogprob, Result
 from cbpipe.client.jobs import TopLogprobs
 from cbpipe.server.common import (
-    DONE,
     Envelope,
     EventStream,
     ServerState,
@@ -29,6 +28,7 @@ from cbpipe.server.common import (
     new_id,
     now_s,
     sampling_options,
+    stream_events,
     top_alternatives,
     usage,
 )
@@ -220,42 +220,24 @@ async def _stream(
     )
 
 
-async def _events(
+def _events(
     generation: Generation,
     format: _Format,
     envelope: Envelope,
     first: Batch | None,
     batches: AsyncIterator[Batch],
 ) -> AsyncIterator[bytes]:
-    options = format.body.stream_options
-    continuous = bool(options and options.continuous_usage_stats)
     echoed: set[int] = set()
 
-    def extra() -> dict[str, Any]:
-        if not continuous:
-            return {}
-        return {"usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens)}
+    def choices_of(batch: Batch) -> Iterator[list[dict[str, Any]]]:
+        if format.body.echo and batch.prompt_index not in echoed:
+            echoed.add(batch.prompt_index)
+            yield _echo_choices(generation, format, batch.prompt_index)
+        for choice in _batch_choices(format, batch):
+            yield [choice]
 
-    try:
-        batch = first
-        while batch is not None:
-            if format.body.echo and batch.prompt_index not in echoed:
-                echoed.add(batch.prompt_index)
-                yield envelope.event(
-                    _echo_choices(generation, format, batch.prompt_index), **extra()
-                )
-            for choice in _batch_choices(format, batch):
-                yield envelope.event([choice], **extra())
-            batch = await anext(batches, None)
-    except Exception as exc:
-        yield from_engine(exc).event()
-    else:
-        if options and options.include_usage:
-            yield envelope.event(
-                [], usage=usage(generation.num_prompt_tokens, generation.num_generated_tokens)
-            )
-        await generation.results()  # records the finished samples in the metrics
-    yield DONE
+    options = format.body.stream_options
+    return stream_events(generation, options, envelope, first, batches, choices_of)
 
 
 def _echo_choices(generation: Generation, format: _Format, prompt_index: int) -> list[Any]:
