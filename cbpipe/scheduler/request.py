@@ -9,7 +9,7 @@ import numpy as np
 
 from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import SamplingParams
-from cbpipe.scheduler.block_manager import chain_hashes
+from cbpipe.scheduler.block_hashes import chain_hashes
 
 NEVER = 1 << 62  # a token count no request reaches
 

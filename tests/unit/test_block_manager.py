@@ -1,6 +1,7 @@
 import pytest
 
-from cbpipe.scheduler.block_manager import BlockManager, OutOfBlocksError, chain_hash
+from cbpipe.scheduler.block_hashes import chain_hash
+from cbpipe.scheduler.block_manager import BlockManager, OutOfBlocksError
 
 
 def test_grow_takes_only_missing_blocks_and_free_returns_them() -> None:
