@@ -33,11 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cbpipe.models import resolve_model  # noqa: E402
-from cbpipe.models.support import UnsupportedModel, reference_attention  # noqa: E402
+from cbpipe.models.support import UnsupportedModel  # noqa: E402
 from cbpipe.protocol.sampling import SamplingParams  # noqa: E402
-from cbpipe.worker.model_loader import load_model, load_paged_model  # noqa: E402
+from cbpipe.worker.model_loader import load_paged_model  # noqa: E402
 from tests.architectures import REFUSED, SERVED, WINDOW, Arch, build_checkpoint  # noqa: E402
-from tests.harness import InProcessEngine  # noqa: E402
+from tests.harness import InProcessEngine, reference_model  # noqa: E402
 
 VOCAB = 256
 PROMPT_LENS = (1, 5, WINDOW - 1, WINDOW, WINDOW + 1, 17, 30, 40, 64, 100)
@@ -87,10 +87,7 @@ def check(arch: Arch, folder: Path, device: torch.device, dtype: torch.dtype) ->
         got = engine.generate(prompts(), params, mode="random", rng=random.Random(3))
     finally:
         engine.close()
-    source = resolve_model(name)
-    model = load_model(
-        source, device, dtype, attn_implementation=reference_attention(source.config)
-    )
+    model = reference_model(name, device, dtype)
     divergences = []
     equal = 0
     for prompt, output in zip(prompts(), got, strict=True):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from cbpipe.models import resolve_model
 from cbpipe.models.support import reference_attention
@@ -25,7 +26,7 @@ from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
-from cbpipe.worker.cuda_graphs import bucket_sizes, capture_blocker
+from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import allocate_kv_cache, load_model, load_paged_model
 from cbpipe.worker.runner import LaunchedStep, StepRunner
 
@@ -40,26 +41,38 @@ def paged_model(
 
 
 @cache
-def reference_model(name: str, device: torch.device = CPU) -> torch.nn.Module:
+def reference_model(
+    name: str, device: torch.device = CPU, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """transformers' own attention: SDPA, or eager where the model does not support SDPA or
     soft-caps its attention (``support.reference_attention``)."""
     source = resolve_model(name)
     implementation = reference_attention(source.config)
-    return load_model(source, device, torch.float32, attn_implementation=implementation)
+    return load_model(source, device, dtype, attn_implementation=implementation)
 
 
 def reference_greedy(
-    name: str, prompt: list[int], max_new_tokens: int, eos_token_ids: list[int] | None
+    name: str,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_token_ids: list[int] | None,
+    processors: list[LogitsProcessor] | None = None,
+    device: torch.device = CPU,
+    **generate_options: object,
 ) -> list[int]:
-    """What transformers' ``generate`` returns for one prompt, greedy, float32 on the CPU."""
-    model = reference_model(name)
+    """What transformers' ``generate`` returns for one prompt, greedy, in float32 (on the CPU
+    unless ``device`` says otherwise), with ``processors`` and ``generate_options``
+    (``repetition_penalty=...``) if given."""
+    model = reference_model(name, device)
     output = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=eos_token_ids or None,
         pad_token_id=0,
+        logits_processor=LogitsProcessorList(processors or []),
+        **generate_options,
     )
     return output[0, len(prompt) :].tolist()
 
@@ -120,9 +133,7 @@ class InProcessEngine:
         self.packer = BatchPacker(self.segment, self.layout, self.block_size)
         kv = allocate_kv_cache(paged, self.num_blocks, self.block_size, self.device, self.dtype)
         kernel = _decode_kernel(self.attention_backend, self.device)
-        graphs = (
-            self.cuda_graphs and kernel is not None and capture_blocker(model, self.dtype) is None
-        )
+        graphs = self.cuda_graphs and kernel is not None
         self.runner = StepRunner(
             model,
             paged,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
 import torch
+from transformers import PreTrainedModel
 
 from cbpipe.protocol.messages import SamplingMode, Step
 
@@ -63,7 +64,7 @@ FULL_VARIANTS = tuple(
 )
 
 
-def capture_blocker(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+def capture_blocker(model: PreTrainedModel) -> str | None:
     """Why ``model``'s decode steps cannot be captured in a CUDA graph, or None.
 
     Mixture-of-experts layers on transformers' ``grouped_mm`` experts run torch's grouped
@@ -73,9 +74,10 @@ def capture_blocker(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     """
     implementation = getattr(model.config, "_experts_implementation", None)
     has_experts = any(type(m).__name__.endswith("Experts") for m in model.modules())
-    if has_experts and implementation == "grouped_mm" and dtype != torch.bfloat16:
+    if has_experts and implementation == "grouped_mm" and model.dtype != torch.bfloat16:
         return (
-            f"its experts run torch's grouped_mm, which in {str(dtype).removeprefix('torch.')} "
+            f"its experts run torch's grouped_mm, which in "
+            f"{str(model.dtype).removeprefix('torch.')} "
             "reads group offsets back to the host"
         )
     return None

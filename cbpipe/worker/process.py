@@ -36,7 +36,7 @@ from cbpipe.protocol.messages import (
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
 from cbpipe.worker.compile_cache import use_compile_cache
-from cbpipe.worker.cuda_graphs import bucket_sizes, capture_blocker
+from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
     load_paged_model,
@@ -136,9 +136,6 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
     if config.worker.cuda_graphs and device.type == "cuda" and decode_kernel is not None:
         max_graph_batch = config.worker.max_graph_batch or config.scheduler.max_num_seqs
         graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
-        if (blocker := capture_blocker(model, dtype)) is not None:
-            log.warning("decode steps run without CUDA graphs: %s", blocker)
-            graph_sizes = []
     runner = StepRunner(
         model,
         paged,

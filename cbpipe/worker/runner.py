@@ -51,7 +51,13 @@ from cbpipe.worker.attention import (
     PrefillKernel,
     StepAttention,
 )
-from cbpipe.worker.cuda_graphs import DecodeGraphs, GraphVariant, Replayable, tuning_batch
+from cbpipe.worker.cuda_graphs import (
+    DecodeGraphs,
+    GraphVariant,
+    Replayable,
+    capture_blocker,
+    tuning_batch,
+)
 from cbpipe.worker.sampler import (
     FullSample,
     FullSamplingInputs,
@@ -221,35 +227,10 @@ class StepRunner:
         self.layout = layout
         self.device = device
         self.cuda = device.type == "cuda"
+        if self.cuda and graph_batch_sizes and (blocker := capture_blocker(model)) is not None:
+            log.warning("decode steps run without CUDA graphs: %s", blocker)
+            graph_batch_sizes, compile_decode = (), False
         host = torch.frombuffer(segment, dtype=torch.uint8, count=layout.segment_nbytes)
-        self._registered_ptr: int | None = None
-        if self.cuda:
-            # Page-lock the shared segment so copies to and from it are asynchronous DMA.
-            status = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
-            if int(status) != 0:
-                raise RuntimeError(f"cudaHostRegister failed with status {status}")
-            self._registered_ptr = host.data_ptr()
-        try:
-            self._set_up(host, model, decode_kernel, prefill_kernel, graph_batch_sizes,
-                         compile_decode, sampling_state, full_sampling_graphs)  # fmt: skip
-        except BaseException:
-            # A failed start (a graph that cannot be captured, memory) must not leave the
-            # segment registered: a later segment mapped at the same address would fail to.
-            self.close()
-            raise
-
-    def _set_up(
-        self,
-        host: torch.Tensor,
-        model: PreTrainedModel,
-        decode_kernel: DecodeKernel | None,
-        prefill_kernel: PrefillKernel | None,
-        graph_batch_sizes: Sequence[int],
-        compile_decode: bool,
-        sampling_state: SamplingState | None,
-        full_sampling_graphs: bool,
-    ) -> None:
-        device, layout = self.device, self.layout
         self.slots = [self._slot_buffers(host, k) for k in range(layout.num_slots)]
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self.compute_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -285,10 +266,23 @@ class StepRunner:
         self.graphs = DecodeGraphs()
         if graph_batch_sizes and decode_kernel is None:
             raise ValueError("decode graphs need the Triton decode kernel")
-        if self.cuda and (decode_kernel is not None or prefill_kernel is not None):
-            self.warm_up()
-        if graph_batch_sizes:
-            self._capture_graphs(graph_batch_sizes, full_sampling_graphs)
+        self._registered_ptr: int | None = None
+        if self.cuda:
+            # Page-lock the shared segment so copies to and from it are asynchronous DMA.
+            status = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+            if int(status) != 0:
+                raise RuntimeError(f"cudaHostRegister failed with status {status}")
+            self._registered_ptr = host.data_ptr()
+        try:
+            if self.cuda and (decode_kernel is not None or prefill_kernel is not None):
+                self.warm_up()
+            if graph_batch_sizes:
+                self._capture_graphs(graph_batch_sizes, full_sampling_graphs)
+        except BaseException:
+            # A failed start (a graph that cannot be captured) must not leave the segment
+            # registered: a later segment mapped at the same address would fail to register.
+            self.close()
+            raise
 
     def warm_up(self) -> None:
         """Run eager steps of every shape class a server meets, before it serves.

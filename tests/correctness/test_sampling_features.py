@@ -17,14 +17,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 
 from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
 from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.scheduler.request import Request
 from cbpipe.worker.cuda_graphs import Replayable
-from tests.harness import InProcessEngine, reference_model
+from tests.harness import InProcessEngine, reference_greedy, reference_model
 
 QWEN = "random:qwen2-tiny"
 EMBEDDED = "default"
@@ -55,30 +55,8 @@ def reference_generate(
     (remembered across the tests' modes: the processors' reprs say what they do)."""
     key = repr((name, prompt, max_new_tokens, eos, processors, sorted(kwargs.items())))
     if key not in _REFERENCES:
-        _REFERENCES[key] = _generate(name, prompt, max_new_tokens, eos, processors, **kwargs)
+        _REFERENCES[key] = reference_greedy(name, prompt, max_new_tokens, eos, processors, **kwargs)
     return _REFERENCES[key]
-
-
-def _generate(
-    name: str,
-    prompt: list[int],
-    max_new_tokens: int,
-    eos: list[int] | None,
-    processors: list[LogitsProcessor] | None,
-    **kwargs: object,
-) -> list[int]:
-    model = reference_model(name)
-    output = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos or None,
-        pad_token_id=0,
-        logits_processor=LogitsProcessorList(processors or []),
-        **kwargs,
-    )
-    return output[0, len(prompt) :].tolist()
 
 
 class OpenAIPenalties(LogitsProcessor):

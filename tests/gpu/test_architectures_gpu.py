@@ -15,14 +15,11 @@ import random
 import pytest
 import torch
 
-from cbpipe.models import resolve_model
-from cbpipe.models.support import reference_attention
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.worker.cuda_graphs import capture_blocker
-from cbpipe.worker.model_loader import load_model
 from tests.architectures import SERVED, WINDOW, build_checkpoint
 from tests.gpu.test_worker_step import _compiled_kernel_variants
-from tests.harness import InProcessEngine
+from tests.harness import InProcessEngine, reference_model
 
 pytestmark = pytest.mark.gpu
 
@@ -53,9 +50,7 @@ def _check_against_generate(name: str, prompts: list[list[int]], outputs: list[l
     step by step (no cache: what ``generate`` computes, without the cache classes and the
     compiled static-cache path that ``generate`` takes on CUDA); a difference within a float32
     tie is accepted. ``generate``'s own tokens are printed beside it where they differ."""
-    source = resolve_model(name)
-    implementation = reference_attention(source.config)
-    model = load_model(source, CUDA, torch.float32, attn_implementation=implementation)
+    model = reference_model(name, CUDA)
     failures = []
     for prompt, got in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt], device=CUDA)
@@ -103,7 +98,7 @@ def test_variant_models_match_generate_on_cuda(
         compile_decode=compile_decode,
     )
     # float32 experts cannot be captured (cuda_graphs.capture_blocker): eager decodes.
-    captured = graphs and capture_blocker(engine.runner.model, torch.float32) is None
+    captured = graphs and capture_blocker(engine.runner.model) is None
     assert (len(engine.runner.graphs) > 0) == captured
     try:
         outputs = engine.generate(prompts, params, mode="random", rng=random.Random(1))

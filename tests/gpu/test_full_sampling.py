@@ -11,7 +11,7 @@ import torch
 from cbpipe.models import resolve_model
 from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import SamplingParams
-from tests.harness import InProcessEngine, reference_model
+from tests.harness import InProcessEngine, reference_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -107,7 +107,6 @@ def test_greedy_penalties_match_generate_on_cuda() -> None:
     vocab = resolve_model(EMBEDDED).config.vocab_size
     prompts, params = _requests(vocab)
     outputs, _ = _run(graphs=True, compiled=False)
-    model = reference_model(EMBEDDED, CUDA)
     for prompt, sp, output in zip(prompts, params, outputs, strict=True):
         if not sp.is_greedy or sp.presence_penalty or sp.frequency_penalty:
             continue
@@ -116,13 +115,7 @@ def test_greedy_penalties_match_generate_on_cuda() -> None:
             options["repetition_penalty"] = sp.repetition_penalty
         if sp.logit_bias:
             options["sequence_bias"] = {(t,): b for t, b in sp.logit_bias}
-        expected = model.generate(
-            torch.tensor([prompt], device=CUDA),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=CUDA),
-            max_new_tokens=sp.max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            **options,
-        )[0, len(prompt) :].tolist()
+        expected = reference_greedy(
+            EMBEDDED, prompt, sp.max_new_tokens, None, device=CUDA, **options
+        )
         assert output == expected, f"prompt of {len(prompt)} tokens, {sp}"

@@ -9,7 +9,7 @@ import torch
 
 from cbpipe.models import resolve_model
 from cbpipe.protocol.sampling import SamplingParams
-from tests.harness import InProcessEngine, reference_model
+from tests.harness import InProcessEngine, reference_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -100,16 +100,8 @@ def test_many_overlapping_steps_match_generate_on_cuda(
         outputs = engine.generate(prompts, params, mode="random", rng=random.Random(1))
     finally:
         engine.close()
-    model = reference_model(EMBEDDED, cuda)
     for prompt, sp, output in zip(prompts, params, outputs, strict=True):
-        expected = model.generate(
-            torch.tensor([prompt], device=cuda),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=cuda),
-            max_new_tokens=sp.max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        expected = reference_greedy(EMBEDDED, prompt, sp.max_new_tokens, None, device=cuda)
         assert output == expected, f"prompt of {len(prompt)} tokens"
 
 

@@ -379,6 +379,8 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ({"prompt": "x", "echo": 1}, "echo"),
         ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "cache_salt": 7}, "cache_salt"),
+        ({"prompt": "x", "cache_salt": "s" * 257}, "cache_salt"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [10**6]}, "prompt"),
