@@ -110,9 +110,11 @@ class WorkerConfig:
         "and slot (CUDA with the triton backend only; --no-cuda-graphs runs every step eagerly)",
     )
     compile_decode: bool = _opt(
-        False,
-        "torch.compile the forward that decode graphs capture: fuses the norms, rotary "
-        "embeddings and activations between the matrix products (adds start-up time)",
+        True,
+        "torch.compile the forward that decode graphs capture (CUDA graphs only): fuses the "
+        "norms, rotary embeddings and activations between the matrix products; the first "
+        "start-up of a model compiles, later ones read the compile cache "
+        "(--no-compile-decode: graphs of the eager forward, a shorter cold start-up)",
     )
     max_graph_batch: int | None = _opt(
         None, "largest decode batch captured in a graph; default: --max-num-seqs"

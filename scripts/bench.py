@@ -220,6 +220,15 @@ def launcher_args(args: argparse.Namespace, run: str) -> list[str]:
 
 # --- one mode -------------------------------------------------------------------------------
 
+# What a worker logs at --log-level info about where its start-up went.
+_STARTUP_MARKS = ("start-up:", "compile cache", "warmed up", "captured ")
+
+
+def startup_lines(engine_log: str) -> list[str]:
+    """The worker's start-up breakdown in an engine's log (empty below --log-level info)."""
+    return [line for line in engine_log.splitlines() if any(m in line for m in _STARTUP_MARKS)]
+
+
 
 def run_mode(
     args: argparse.Namespace, mode: str, workload: Workload, trace_dir: Path, floor: Floor | None
@@ -234,6 +243,8 @@ def run_mode(
         except Exception:
             print(f"engine log:\n{engine.stderr}", file=sys.stderr)
             raise
+        for line in startup_lines(engine.stderr):
+            print(f"{mode} engine: {line}")
     # The scheduler writes the trace as it stops; steps of the warm-up come before the
     # measurement's first submit, and steps of a ramp before its last (ModeResult).
     measured = [r for r in load_steps(trace) if r.schedule_start_ns >= result.submitted_ns]

@@ -10,7 +10,11 @@
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
 #            out as a server's lockstep batch has them (--engine-block-layout)   (~2 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
-#            tokens, async and sync                                              (~3 min)
+#            tokens, async and sync, with the default flags (the decode forward compiled:
+#            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
+#            mode starts its own engine, so the second reads the cache the first wrote; with
+#            BENCH_EXTRA=--launch-arg=--log-level=info each engine's start-up breakdown is
+#            printed)                                                            (~3-6 min)
 #   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
 #            sync; random:llama-1b x1024, prompts 64-1024 and outputs 64-512, async
 #            (TARGET_1B_MODES)                                                    (~6 min)
@@ -61,6 +65,7 @@
 #   PREFIX_RUNS=system,multiturn  the prefix part's runs
 #   PREFIX_REQUESTS=512           requests of the prefix part's shared-prompt run
 #   PREFIX_TIMEOUT=300            seconds for each of the prefix part's two runs (both caches)
+#   GEMMA2_MODES="--no-cuda-graphs --cuda-graphs --compile-decode"  the gemma2 part's steps
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=480       seconds for the tests part (the suite took 361 s at 92754fa)
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
@@ -326,7 +331,7 @@ fi
 
 if want gemma2; then
     {
-        for graphs in --no-cuda-graphs --cuda-graphs --compile-decode; do
+        for graphs in ${GEMMA2_MODES:---no-cuda-graphs --cuda-graphs --compile-decode}; do
             section "one decode step, random:gemma2-2b x32, context 8192, $graphs"
             timeout -k 10 "${COMPILE_TIMEOUT:-300}" "$PY" scripts/profile_step.py \
                 --model random:gemma2-2b --batch 32 --context 8192 --steps 30 "$graphs" 2>&1 \

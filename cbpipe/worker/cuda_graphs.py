@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -133,6 +134,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, GraphVariant], Replayable] = {}
         self.batch_sizes: list[int] = []
         self.full_batch_sizes: list[int] = []
+        self.first_run_s = 0.0  # the uncaptured run at ``first_batch`` (a compile, if any)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -163,9 +165,13 @@ class DecodeGraphs:
         for batch in self.full_batch_sizes:
             variants[batch] = variants.get(batch, []) + list(full_variants)
         if first_batch is not None:
+            started = time.perf_counter()
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for variant in (GREEDY, RANDOM, *full_variants):
                     body(slots[0], first_batch, variant)
+            if stream is not None:
+                stream.synchronize()
+            self.first_run_s = time.perf_counter() - started
         pool = torch.cuda.graph_pool_handle() if stream is not None else None
         for batch in sorted(variants, reverse=True):
             for variant in variants[batch]:

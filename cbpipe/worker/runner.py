@@ -376,11 +376,14 @@ class StepRunner:
             full_sampling=full_sampling,
         )
         log.info(
-            "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s",
+            "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s",
             len(self.graphs),
             self.graphs.batch_sizes,
             self.graphs.full_batch_sizes,
             time.perf_counter() - started,
+            f", compiling their forward and samplers {self.graphs.first_run_s:.1f} s of it"
+            if self.compiled
+            else "",
         )
 
     def _event(self, timing: bool = False) -> torch.cuda.Event | None:
