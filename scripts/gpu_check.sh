@@ -65,6 +65,8 @@
 #   PREFIX_RUNS=system,multiturn  the prefix part's runs
 #   PREFIX_REQUESTS=512           requests of the prefix part's shared-prompt run
 #   PREFIX_TIMEOUT=300            seconds for each of the prefix part's two runs (both caches)
+#   SAMPLING_NO_FULL_GRAPHS=1  also the sampling part's runs without the full sampler's graphs
+#   SAMPLING_TESTS=1       also the sampling part's GPU tests of the full sampler
 #   GEMMA2_MODES="--no-cuda-graphs --cuda-graphs --compile-decode"  the gemma2 part's steps
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=480       seconds for the tests part (the suite took 361 s at 92754fa)
@@ -292,6 +294,7 @@ if want sampling; then
                 --context "$context" --steps 30 --all-buckets --sampling "$presets" 2>&1 \
                 | grep -v '^USDT'
             echo "exit code ${PIPESTATUS[0]}"
+            [ "${SAMPLING_NO_FULL_GRAPHS:-1}" = 1 ] || continue
             section "sampling presets, $model x$batch, context $context, no full-sampler graphs"
             timeout -k 10 200 "$PY" scripts/profile_step.py --model "$model" --batch "$batch" \
                 --context "$context" --steps 30 --all-buckets --no-full-graphs \
@@ -305,10 +308,12 @@ if want sampling; then
                 --compile-decode --sampling "$presets" 2>&1 | grep -v '^USDT'
             echo "exit code ${PIPESTATUS[0]}"
         fi
-        section "full sampler GPU tests"
-        timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu/test_full_sampling.py -m gpu -v \
-            --durations=10 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1
-        echo "exit code ${PIPESTATUS[0]}"
+        if [ "${SAMPLING_TESTS:-1}" = 1 ]; then
+            section "full sampler GPU tests"
+            timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu/test_full_sampling.py -m gpu \
+                -v --durations=10 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1
+            echo "exit code ${PIPESTATUS[0]}"
+        fi
     } 2>&1 | tee "$OUT/sampling.log"
     rcs+=("sampling=$(grep '^exit code' "$OUT/sampling.log" | awk '{print $3}' | paste -sd/ -)")
 fi

@@ -36,7 +36,7 @@ from cbpipe.roofline import copy_bandwidth, decode_bytes
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.packer import BatchPacker
-from cbpipe.scheduler.request import Request
+from cbpipe.scheduler.request import Request, RequestStatus
 from cbpipe.worker import attention
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
@@ -148,7 +148,8 @@ def main() -> None:
     kernel = attention.load_decode_kernel(args.attention_backend, device)
     graphs = args.cuda_graphs and kernel is not None
     started = time.perf_counter()
-    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    # Free device memory, not torch's reserved pool: start-up may hand cached blocks back.
+    free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     prefill_kernel = attention.load_prefill_kernel(args.prefill_attention_backend, device)
     batch_sizes = bucket_sizes(args.batch) if args.all_buckets else [args.batch]
     runner = StepRunner(model, paged, kv, layout, segment, device, decode_kernel=kernel,
@@ -158,11 +159,11 @@ def main() -> None:
                         full_sampling_graphs=args.full_graphs)  # fmt: skip
     grown_gib = 0.0
     if device.type == "cuda":
-        grown_gib = (torch.cuda.memory_reserved(device) - reserved) / 2**30
+        grown_gib = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**30
     state_mib = runner.state.nbytes(num_seqs, runner.vocab) / 2**20
     print(f"runner ready in {time.perf_counter() - started:.1f} s (graphs: {len(runner.graphs)}"
-          f", full sampler at {runner.graphs.full_batch_sizes}; device memory reserved "
-          f"+{grown_gib:.2f} GiB, of which the sampling state {state_mib:.0f} MiB)")  # fmt: skip
+          f", full sampler at {runner.graphs.full_batch_sizes}; device memory taken "
+          f"{grown_gib:.2f} GiB, of which the sampling state {state_mib:.0f} MiB)")  # fmt: skip
 
     presets = args.sampling.split(",")
     unknown = [name for name in presets if name not in SAMPLING_PRESETS]
@@ -202,13 +203,27 @@ def _pack_step(
         for req in decoding if args.engine_block_layout else ():
             scheduler.blocks.grow(req.block_ids, total)  # one block each, in turn
     for req in decoding:
-        scheduler.add_request(req)
+        _resume_decoding(scheduler, req)
     for i in range(num_prefills):
         prompt = [2] * args.prefill_len
         scheduler.add_request(
             Request(args.batch + i, prompt, params, 0, args.prefill_len + 1, frozenset())
         )
-    return BatchPacker(segment, layout, bs).pack(scheduler.schedule(), 0, None)
+    plan = scheduler.schedule()
+    # The decoding requests take their rows in this step, as if admitted in it.
+    plan.assigned[:0] = decoding
+    plan.admitted[:0] = decoding
+    return BatchPacker(segment, layout, bs).pack(plan, 0, None)
+
+
+def _resume_decoding(scheduler: Scheduler, req: Request) -> None:
+    """Run ``req``, whose context already fills its blocks, from the next step on: where
+    admission would leave it once its prompt was computed. (Admission itself computes a
+    queued prompt from its cached prefix on, which here is none.)"""
+    scheduler.requests[req.request_id] = req
+    req.status = RequestStatus.RUNNING
+    scheduler.running.append(req)
+    scheduler.tables.assign(req)
 
 
 def _time_step(
