@@ -229,7 +229,6 @@ def startup_lines(engine_log: str) -> list[str]:
     return [line for line in engine_log.splitlines() if any(m in line for m in _STARTUP_MARKS)]
 
 
-
 def run_mode(
     args: argparse.Namespace, mode: str, workload: Workload, trace_dir: Path, floor: Floor | None
 ) -> tuple[ModeResult, list[list[int]]]:
