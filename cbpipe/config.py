@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -137,13 +138,26 @@ class ServerConfig:
         "default: no HTTP server",
     )
     host: str = _opt("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)")
-    api_server_count: int = _opt(1, "HTTP server processes, sharing the port")
+    api_server_count: int | None = _opt(
+        None,
+        "HTTP server processes, sharing the port; default: one per 4 host cores, 1 to 4 "
+        "(one process streams at most about 45 k tokens/s)",
+    )
     served_model_name: str | None = _opt(
         None, "the model's name in the HTTP API; default: the --model value"
     )
     chat_template: str | None = _opt(
         None, "a Jinja chat template (a file, or the template itself) instead of the tokenizer's"
     )
+
+    @property
+    def num_processes(self) -> int:
+        """HTTP server processes to start. A Python process parsing and sending events is
+        CPU-bound near 45 k streamed tokens a second (0.68x of the ZeroMQ client with a 1B
+        model on an H200; four made 0.94x), and the scheduler and worker need their cores."""
+        if self.api_server_count is not None:
+            return self.api_server_count
+        return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 @dataclass(frozen=True)
@@ -204,7 +218,10 @@ class EngineConfig:
                 self.server.port is None or 0 <= self.server.port <= 65535,
                 "--port must be in 0..65535",
             ),
-            (self.server.api_server_count >= 1, "--api-server-count must be >= 1"),
+            (
+                self.server.api_server_count is None or self.server.api_server_count >= 1,
+                "--api-server-count must be >= 1",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -98,7 +98,7 @@ def engine_children(
 
         children += [
             ChildSpec(f"api_server_{i}", server_main, args=(http_socket, i), after=("scheduler",))
-            for i in range(config.server.api_server_count)
+            for i in range(config.server.num_processes)
         ]
     return children
 

@@ -132,3 +132,12 @@ def test_addresses_beyond_this_host_need_allow_remote_and_a_key(address: str, lo
     keyed = dataclasses.replace(engine, allow_remote=True, api_key="secret")
     keyed.validate()
     assert "secret" not in repr(keyed)
+
+
+@pytest.mark.parametrize(("cores", "processes"), [(1, 1), (2, 1), (8, 2), (16, 4), (128, 4)])
+def test_http_server_processes_follow_the_host_unless_given(
+    monkeypatch: pytest.MonkeyPatch, cores: int, processes: int
+) -> None:
+    monkeypatch.setattr(config.os, "cpu_count", lambda: cores)
+    assert config.ServerConfig().num_processes == processes
+    assert config.ServerConfig(api_server_count=3).num_processes == 3
