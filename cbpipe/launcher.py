@@ -36,7 +36,7 @@ from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
-from cbpipe.models.support import check_config, length_limit
+from cbpipe.models.support import check_config, check_tensor_parallel, length_limit
 from cbpipe.protocol.launch import EngineAddresses, Rendezvous, RunSpec, worker_names
 from cbpipe.protocol.liveness import HeartbeatTable
 from cbpipe.protocol.shm import (
@@ -133,6 +133,7 @@ def resolve_limits(config: EngineConfig) -> EngineConfig:
     """
     source = resolve_model(config.model.model)
     max_model_len = check_config(source.config, config.model.max_model_len)
+    check_tensor_parallel(source.config, config.worker.tensor_parallel_size)
     model_len = length_limit(source.config)
     if model_len is not None and max_model_len > model_len:
         raise ValueError(

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from cbpipe.models.support import UnsupportedModel
+from cbpipe.models.support import UnsupportedModel, architecture_name, check_tensor_parallel
 from cbpipe.protocol.launch import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -187,15 +187,13 @@ def _pattern(name: str) -> re.Pattern[str]:
 def check_shardable(model: PreTrainedModel, world_size: int) -> dict[str, str]:
     """Each linear module's style under the plan; raises ``UnsupportedModel`` (naming the
     architecture and the reason) when the ranks cannot split the model exactly."""
-    config = model.config.get_text_config()
-    arch = (config.architectures or [type(model).__name__])[0]
 
     def refuse(reason: str) -> UnsupportedModel:
+        arch = architecture_name(model.config)
         return UnsupportedModel(arch, [f"at --tensor-parallel-size {world_size}, {reason}"])
 
+    check_tensor_parallel(model.config, world_size)
     plan = model_tp_plan(model)
-    if not plan:
-        raise refuse("its configuration has no tensor-parallel plan (base_model_tp_plan)")
     known = {COLWISE, ROWWISE, GATHERED, *REPLICATED}
     unsupported = sorted({s for s in plan.values() if s not in known})
     if unsupported:
@@ -203,15 +201,6 @@ def check_shardable(model: PreTrainedModel, world_size: int) -> dict[str, str]:
             f"its tensor-parallel plan uses {', '.join(unsupported)}, which cbpipe does not "
             "shard (it shards colwise, rowwise and colwise_gather_output)"
         )
-    divided = (
-        ("attention heads", "num_attention_heads"),
-        ("kv heads", "num_key_value_heads"),
-        ("MLP columns", "intermediate_size"),
-    )
-    for what, key in divided:
-        value = getattr(config, key, None)
-        if value is not None and value % world_size:
-            raise refuse(f"its {value} {what} ({key}) do not divide into {world_size} ranks")
     patterns = [(_pattern(name), style) for name, style in plan.items()]
     styles: dict[str, str] = {}
     for name, module in model.named_modules():
