@@ -120,6 +120,12 @@ class WorkerConfig:
     max_graph_batch: int | None = _opt(
         None, "largest decode batch captured in a graph; default: --max-num-seqs"
     )
+    tensor_parallel_size: int = _opt(
+        1,
+        "worker ranks the model is sharded over (heads and MLP columns split, torch.distributed "
+        "between them: NCCL on CUDA, one GPU a rank; gloo on the CPU); 1 runs one worker "
+        "process without torch.distributed",
+    )
     compile_cache_dir: str | None = _opt(
         None,
         "where compiled kernels (inductor's and Triton's) are kept between launches, in a "
@@ -203,6 +209,7 @@ class EngineConfig:
                 "--steps-in-flight must be in 2..8 (--sync runs one; each step in flight has "
                 "its own slot and CUDA graphs)",
             ),
+            (self.worker.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1"),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
             (s.step_timeout_s > 0, "--step-timeout-s must be > 0"),
             (s.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1"),

@@ -36,8 +36,8 @@ from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
-from cbpipe.models.support import check_config, length_limit
-from cbpipe.protocol.launch import EngineAddresses, RunSpec
+from cbpipe.models.support import check_config, check_tensor_parallel, length_limit
+from cbpipe.protocol.launch import EngineAddresses, Rendezvous, RunSpec, worker_names
 from cbpipe.protocol.liveness import HeartbeatTable
 from cbpipe.protocol.shm import (
     create_segment,
@@ -87,12 +87,14 @@ def engine_children(
     from cbpipe.scheduler.process import scheduler_main
     from cbpipe.worker.process import worker_main
 
-    # The scheduler waits for the worker's handshake itself, so both start at once: the
-    # worker's model loading is most of start-up.
+    # The scheduler waits for the workers' handshakes itself, so all start at once: the
+    # workers' model loading is most of start-up. One worker per tensor-parallel rank.
+    names = worker_names(config.worker.tensor_parallel_size)
     children = [
-        ChildSpec("worker", worker_main, stopped_by="scheduler", watched_by="scheduler"),
-        ChildSpec("scheduler", scheduler_main),
+        ChildSpec(name, worker_main, (rank,), stopped_by="scheduler", watched_by="scheduler")
+        for rank, name in enumerate(names)
     ]
+    children.append(ChildSpec("scheduler", scheduler_main))
     if http_socket is not None:
         from cbpipe.server.process import server_main
 
@@ -131,6 +133,7 @@ def resolve_limits(config: EngineConfig) -> EngineConfig:
     """
     source = resolve_model(config.model.model)
     max_model_len = check_config(source.config, config.model.max_model_len)
+    check_tensor_parallel(source.config, config.worker.tensor_parallel_size)
     model_len = length_limit(source.config)
     if model_len is not None and max_model_len > model_len:
         raise ValueError(
@@ -193,6 +196,7 @@ class Launcher:
                 launcher_pid=os.getpid(),
                 run_dir=run_dir,
                 process_names=tuple(child.name for child in specs),
+                rendezvous=_rendezvous(self.config.worker.tensor_parallel_size),
             )
             assert segment.buf is not None
             heartbeats = spec.heartbeats(segment.buf)
@@ -307,14 +311,30 @@ def _ready_line(
 ) -> str:
     """``cbpipe ready address=... scheduler=PID worker=PID [name=PID ...] [key=value ...]
     startup_s=S``: the client address, every child's pid (the scheduler's and the worker's
-    first), what a child serves besides when its readiness says ``key=value`` (an HTTP URL),
+    first; with tensor parallelism ``worker`` is rank 0, and ``worker0``.. follow), what a
+    child serves besides when its readiness says ``key=value`` (an HTTP URL),
     and how long start-up took."""
-    names = ["scheduler", "worker", *(n for n in children if n not in ("scheduler", "worker"))]
-    fields = [f"address={spec.addresses.client}"]
-    fields += [f"{name}={children[name].pid}" for name in names]
+    workers = spec.worker_names
+    others = [n for n in children if n != "scheduler" and n not in workers]
+    fields = [f"address={spec.addresses.client}", f"scheduler={children['scheduler'].pid}"]
+    # ``worker=`` is rank 0 whatever the ranks are called: the line's fixed prefix.
+    fields.append(f"worker={children[workers[0]].pid}")
+    fields += [f"{name}={children[name].pid}" for name in [*workers, *others]]
     fields += [d for d in details.values() if re.fullmatch(r"[a-z_]+=\S+", d)]
     fields.append(f"startup_s={startup_s:.1f}")
     return "cbpipe ready " + " ".join(dict.fromkeys(fields))
+
+
+def _rendezvous(tensor_parallel_size: int) -> Rendezvous | None:
+    """A free port on this host for the worker ranks' ``torch.distributed`` store (rank 0
+    binds it; between this probe and that bind another process could take it, and rank 0
+    then fails to start with the error)."""
+    if tensor_parallel_size == 1:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return Rendezvous("127.0.0.1", port, tensor_parallel_size)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -42,6 +42,14 @@
 #            system prompt plus 50-150 tokens of their own, 128 new tokens (PREFIX_REQUESTS),
 #            async; random:llama-1b, 64 conversations of 8 turns (each re-sends its history
 #            plus 100 new tokens, 128 new tokens a turn): time to first token per turn (~5 min)
+#   tp       tensor parallelism, on a machine of two GPUs (nvidia-h200-x2): the bfloat16
+#            comparison of --tensor-parallel-size 2 against 1 on a checkpoint of
+#            random:llama-8b's weights (tests/gpu/test_tensor_parallel_gpu.py: how many of 32
+#            requests match exactly, graphs and compiled); random:llama-8b x32, 128 prompt +
+#            BENCH_OUTPUT_LEN new tokens at TP=1 and TP=2 (throughput, decode step p50: the
+#            goal is TP=2 at most 0.6x TP=1), and x1 (time per output token at batch 1);
+#            random:llama-70b x32 at TP=2 (its floor is bench's printed floor halved: each GPU
+#            reads half the weights). TP_RUNS=compare,llama8b,batch1,llama70b   (~10-15 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
 #
@@ -394,11 +402,50 @@ if want prefix; then
     rcs+=("prefix=$(grep '^exit code' "$OUT/prefix.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
+if want tp; then
+    {
+        tp_runs=${TP_RUNS:-compare,llama8b,batch1,llama70b}
+        if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; then
+            echo "the tp part needs two GPUs (nvidia-h200-x2)"
+            echo "exit code 2"
+        else
+            if [[ ",$tp_runs," == *",compare,"* ]]; then
+                section "TP=2 against TP=1, bfloat16, a random llama-8b checkpoint"
+                timeout -k 30 "${TP_COMPARE_TIMEOUT:-540}" "$PY" -m pytest \
+                    tests/gpu/test_tensor_parallel_gpu.py -m gpu -v -s
+                echo "exit code $?"
+            fi
+            for size in 1 2; do
+                if [[ ",$tp_runs," == *",llama8b,"* ]]; then
+                    BENCH_MODES=async bench "tp${size}_8b" --model random:llama-8b \
+                        --num-requests 32 --prompt-len 128 --output-len "$output_len" \
+                        --launch-arg="--tensor-parallel-size=$size"
+                    echo "exit code $?"
+                fi
+                if [[ ",$tp_runs," == *",batch1,"* ]]; then
+                    BENCH_MODES=async bench "tp${size}_8b_batch1" --model random:llama-8b \
+                        --num-requests 1 --prompt-len 128 --output-len "$output_len" \
+                        --launch-arg="--tensor-parallel-size=$size"
+                    echo "exit code $?"
+                fi
+            done
+            if [[ ",$tp_runs," == *",llama70b,"* ]]; then
+                BENCH_MODES=async BENCH_TIMEOUT=${TP_70B_TIMEOUT:-540} bench tp2_70b \
+                    --model random:llama-70b --num-requests 32 --prompt-len 128 \
+                    --output-len "$output_len" --launch-arg="--tensor-parallel-size=2"
+                echo "exit code $?"
+            fi
+        fi
+    } 2>&1 | tee "$OUT/tp.log"
+    rcs+=("tp=$(grep '^exit code' "$OUT/tp.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
 {
     section summary
     echo "PARTS=$PARTS exit codes: ${rcs[*]} (124: timed out); BENCH_SCALE=$BENCH_SCALE"
     echo "total $((SECONDS - started)) s"
-    grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log 2>/dev/null || true
+    grep -h -A 10 '^model ' "$OUT"/bench.log "$OUT"/target.log "$OUT"/tp.log 2>/dev/null || true
+    grep -h 'TP=2 vs TP=1' "$OUT"/tp.log 2>/dev/null || true
     grep -h -A 30 '^model ' "$OUT"/prefix.log 2>/dev/null || true
     grep -h -E '^(runner ready|per step|=====)' "$OUT"/sampling.log 2>/dev/null || true
     grep -h -e 'architectures match exactly' -e '^refused as expected' "$OUT"/models.log \

@@ -39,6 +39,9 @@ def _preset_configs() -> dict[str, PretrainedConfig]:
         # Shapes of Llama 3.2 1B and Llama 3.1 8B.
         "llama-1b": _llama3(hidden=2048, layers=16, heads=32, intermediate=8192, tie=True),
         "llama-8b": _llama3(hidden=4096, layers=32, heads=32, intermediate=14336, tie=False),
+        # Llama 3.1 70B's shape: 141 GB of bfloat16 weights, more than one H200 holds, for
+        # --tensor-parallel-size 2 and up (each rank materialises only its shard).
+        "llama-70b": _llama3(hidden=8192, layers=80, heads=64, intermediate=28672, tie=False),
         # Gemma 2 2B's shape: sliding windows of 4096 on every other layer, soft-capped
         # attention and logits, head_dim 256, query_pre_attn_scalar 256, tied embeddings.
         "gemma2-2b": Gemma2Config(

@@ -127,3 +127,29 @@ def own_attention_table_error(config: PretrainedConfig, exc: KeyError) -> Unsupp
             "cache would be bypassed"
         ],
     )
+
+
+def check_tensor_parallel(config: PretrainedConfig, world_size: int) -> None:
+    """Refuse, from the configuration alone, a model the worker ranks cannot split exactly:
+    no tensor-parallel plan, or heads, kv heads or MLP columns that do not divide into
+    ``world_size`` (the worker checks each layer of the loaded model again)."""
+    if world_size == 1:
+        return
+    text_config = config.get_text_config()
+
+    def refuse(reason: str) -> UnsupportedModel:
+        return UnsupportedModel(
+            architecture_name(config), [f"at --tensor-parallel-size {world_size}, {reason}"]
+        )
+
+    if not getattr(text_config, "base_model_tp_plan", None):
+        raise refuse("its configuration has no tensor-parallel plan (base_model_tp_plan)")
+    divided = (
+        ("attention heads", "num_attention_heads"),
+        ("kv heads", "num_key_value_heads"),
+        ("MLP columns", "intermediate_size"),
+    )
+    for what, key in divided:
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value % world_size:
+            raise refuse(f"its {value} {what} ({key}) do not divide into {world_size} ranks")

@@ -14,8 +14,8 @@ from cbpipe.protocol.slots import SlotLayout, SlotLimits
 @dataclass(frozen=True)
 class EngineAddresses:
     client: str  # scheduler ROUTER, clients connect
-    worker_steps: str  # scheduler PUSH -> worker PULL
-    worker_results: str  # worker PUSH -> scheduler PULL
+    worker_steps: str  # scheduler XPUB -> every worker rank's SUB
+    worker_results: str  # every worker rank's PUSH -> scheduler PULL (steps: rank 0 only)
 
     @classmethod
     def in_directory(cls, run_dir: str, client: str | None) -> EngineAddresses:
@@ -23,6 +23,29 @@ class EngineAddresses:
             return f"ipc://{os.path.join(run_dir, name)}"
 
         return cls(client or ipc("client.sock"), ipc("steps.sock"), ipc("results.sock"))
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the worker ranks of a tensor-parallel run meet (``torch.distributed``'s TCP
+    store, on rank 0's host), and how many there are. The launcher picks a free port."""
+
+    master_addr: str
+    master_port: int
+    world_size: int
+
+    @property
+    def init_method(self) -> str:
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"tcp://{host}:{self.master_port}"
+
+
+def worker_names(tensor_parallel_size: int) -> tuple[str, ...]:
+    """The worker processes' names, rank by rank: ``worker`` alone without tensor
+    parallelism (as always), ``worker0``..``workerN-1`` with it."""
+    if tensor_parallel_size == 1:
+        return ("worker",)
+    return tuple(f"worker{rank}" for rank in range(tensor_parallel_size))
 
 
 @dataclass(frozen=True)
@@ -37,6 +60,11 @@ class RunSpec:
     launcher_pid: int
     run_dir: str  # the ipc sockets' folder, removed with the run
     process_names: tuple[str, ...]  # the children, in the order of the heartbeat table
+    rendezvous: Rendezvous | None = None  # with --tensor-parallel-size > 1 only
+
+    @property
+    def worker_names(self) -> tuple[str, ...]:
+        return worker_names(self.config.worker.tensor_parallel_size)
 
     @cached_property
     def layout(self) -> SlotLayout:

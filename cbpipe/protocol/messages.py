@@ -200,7 +200,8 @@ class Stats(Message):
 
 @dataclass(frozen=True)
 class WorkerReady(Message):
-    """Worker -> scheduler handshake: what the worker loaded and could allocate."""
+    """Worker -> scheduler handshake: what the worker loaded and could allocate. Every rank
+    of a tensor-parallel worker sends its own; the scheduler serves once it has all."""
 
     TYPE: ClassVar[str] = "worker_ready"
     model: str
@@ -209,6 +210,8 @@ class WorkerReady(Message):
     dtype: str
     device: str
     eos_token_ids: list[int]
+    rank: int = 0
+    world_size: int = 1
 
 
 @dataclass(frozen=True)

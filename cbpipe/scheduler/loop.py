@@ -116,6 +116,7 @@ class EngineLoop:
         pack_delay_s: float,
         heartbeats: HeartbeatTable,
         liveness: Liveness,
+        worker_names: tuple[str, ...] = ("worker",),
         record_steps: bool = False,
     ) -> None:
         self.scheduler = scheduler
@@ -143,7 +144,10 @@ class EngineLoop:
         # Set when the plan came back empty (every runnable request waits on the step in
         # flight); cleared by anything that can change that.
         self._blocked = False
-        self._worker_fd: int | None = None  # its connection to the results socket
+        # The worker ranks' connections to the results socket (one each), and their names
+        # in the heartbeat table.
+        self._worker_fds: set[int] = set()
+        self.worker_names = worker_names
         self.heartbeats = heartbeats
         self.beat = heartbeats.beater("scheduler")
         self.liveness = liveness
@@ -180,10 +184,8 @@ class EngineLoop:
         self.stopping = True
 
     def shutdown_worker(self) -> None:
-        try:
-            self.steps_socket.send(encode(Shutdown()), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.info("the worker is gone; no shutdown message sent")
+        # A publisher never blocks: to ranks that are gone the message is simply not sent.
+        self.steps_socket.send(encode(Shutdown()), flags=zmq.NOBLOCK)
 
     def _can_launch(self) -> bool:
         return (
@@ -233,14 +235,16 @@ class EngineLoop:
             )
 
     def _check_worker(self) -> None:
-        """Raise ``WorkerLost`` if the worker's heartbeat or its oldest step is overdue."""
-        silent = self.heartbeats.silent_for_s("worker")
+        """Raise ``WorkerLost`` if a worker rank's heartbeat or the oldest step is overdue
+        (a stuck rank holds up the others in their next collective: its step never ends)."""
         limit = self.liveness.heartbeat_timeout_s
-        if silent is not None and silent > limit:
-            raise WorkerLost(
-                f"the worker stopped responding: no heartbeat for {silent:.1f} s "
-                f"(--liveness-timeout-s {limit:g})"
-            )
+        for name in self.worker_names:
+            silent = self.heartbeats.silent_for_s(name)
+            if silent is not None and silent > limit:
+                raise WorkerLost(
+                    f"the {name} stopped responding: no heartbeat for {silent:.1f} s "
+                    f"(--liveness-timeout-s {limit:g})"
+                )
         if self.in_flight:
             oldest = self.in_flight[0]
             waited_s = (time.perf_counter_ns() - oldest.sent_ns) / 1e9
@@ -308,17 +312,22 @@ class EngineLoop:
         self.frontend.cancel_gone_clients()
 
     def _on_monitor_event(self) -> None:
-        """The results socket's connections: the first is the worker's (it connects before
-        it reports ready, to a socket in the run's private folder); its end is the worker's."""
+        """The results socket's connections: the first ones are the worker ranks' (each
+        connects before it reports ready, to a socket in the run's private folder, and the
+        scheduler serves only once all have reported); the end of any is a rank's end."""
         event = zmq.utils.monitor.recv_monitor_message(self.worker_monitor)
-        if event["event"] == zmq.EVENT_ACCEPTED and self._worker_fd is None:
-            self._worker_fd = event["value"]
+        if event["event"] == zmq.EVENT_ACCEPTED and len(self._worker_fds) < len(self.worker_names):
+            self._worker_fds.add(event["value"])
         elif (
             event["event"] == zmq.EVENT_DISCONNECTED
-            and event["value"] == self._worker_fd
+            and event["value"] in self._worker_fds
             and not self.stopping
         ):
-            raise WorkerLost("the worker process exited")
+            raise WorkerLost(
+                "the worker process exited"
+                if len(self.worker_names) == 1
+                else "a worker rank's process exited"
+            )
 
 
 def _record(applied: Applied, publish_start_ns: int, publish_end_ns: int) -> StepRecord:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
+import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
@@ -103,7 +105,11 @@ def _bind(context: zmq.Context, spec: RunSpec) -> dict[str, zmq.Socket]:
     if spec.config.api_key is not None and uses_curve(spec.addresses.client, spec.config.api_key):
         _require_curve(context, clients, CurveKeys.from_api_key(spec.config.api_key))
     clients.bind(spec.addresses.client)
-    steps = context.socket(zmq.PUSH)
+    # Every step goes to every worker rank, so a publisher: XPUB rather than PUB, because it
+    # hands us each rank's subscription, and the handshake waits for all of them (a PUB
+    # drops what it sends before a subscription arrives: ZeroMQ's slow joiner).
+    steps = context.socket(zmq.XPUB)
+    steps.setsockopt(zmq.XPUB_VERBOSE, 1)  # every rank's subscription, not only the first
     steps.bind(spec.addresses.worker_steps)
     results = context.socket(zmq.PULL)
     results.setsockopt(zmq.MAXMSGSIZE, WORKER_MAXMSGSIZE)
@@ -135,7 +141,9 @@ class _AllowKey:
 
 def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegment) -> EngineLoop:
     config = spec.config
-    hello = _wait_for_worker(sockets["results"], config.ready_timeout_s)
+    hello = _wait_for_workers(
+        sockets["results"], sockets["steps"], len(spec.worker_names), config.ready_timeout_s
+    )
     source = resolve_model(config.model.model)
     tokenizer = None
     if source.tokenizer_path is not None:
@@ -185,6 +193,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         max_in_flight=config.scheduler.max_in_flight,
         pack_delay_s=config.scheduler.debug_scheduler_delay_ms / 1e3,
         heartbeats=spec.heartbeats(segment.buf),
+        worker_names=spec.worker_names,
         liveness=Liveness(
             config.liveness_timeout_s, config.scheduler.step_timeout_s, config.ready_timeout_s
         ),
@@ -192,14 +201,38 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
     )
 
 
-def _wait_for_worker(results: zmq.Socket, timeout_s: float) -> WorkerReady:
-    if not results.poll(int(timeout_s * 1e3)):
-        raise TimeoutError(f"the worker did not report ready within {timeout_s:.0f} s")
-    message = decode(results.recv(), expected=(WorkerReady, WorkerFailed))
-    if isinstance(message, WorkerFailed):
-        raise RuntimeError(f"worker failed to start: {message.message}")
-    assert isinstance(message, WorkerReady)
-    return message
+def _wait_for_workers(
+    results: zmq.Socket, steps: zmq.Socket, num_ranks: int, timeout_s: float
+) -> WorkerReady:
+    """Every worker rank's ``WorkerReady`` and its subscription to the steps, then one
+    report for all: rank 0's, with the fewest KV blocks any rank holds (the ranks agree
+    on the count before they allocate; the minimum is what all can hold in any case)."""
+    deadline = time.monotonic() + timeout_s
+    reports: dict[int, WorkerReady] = {}
+    subscribed = 0
+    poller = zmq.Poller()
+    poller.register(results, zmq.POLLIN)
+    poller.register(steps, zmq.POLLIN)
+    while len(reports) < num_ranks or subscribed < num_ranks:
+        left_ms = int((deadline - time.monotonic()) * 1e3)
+        events = dict(poller.poll(max(left_ms, 0))) if left_ms > 0 else {}
+        if not events:
+            raise TimeoutError(
+                f"{len(reports)} of {num_ranks} worker rank(s) reported ready and {subscribed} "
+                f"subscribed to the steps within {timeout_s:.0f} s"
+            )
+        if steps in events and steps.recv()[:1] == b"\x01":  # a subscription, not its end
+            subscribed += 1
+        if results in events:
+            message = decode(results.recv(), expected=(WorkerReady, WorkerFailed))
+            if isinstance(message, WorkerFailed):
+                raise RuntimeError(f"worker failed to start: {message.message}")
+            assert isinstance(message, WorkerReady)
+            reports[message.rank] = message
+            log.debug("worker rank %d of %d ready: %s", message.rank, num_ranks, message)
+    if sorted(reports) != list(range(num_ranks)):
+        raise RuntimeError(f"worker ranks {sorted(reports)} reported, expected 0..{num_ranks - 1}")
+    return dataclasses.replace(reports[0], num_blocks=min(r.num_blocks for r in reports.values()))
 
 
 def _stop_on_signals(loop: EngineLoop) -> None:

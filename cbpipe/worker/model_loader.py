@@ -12,17 +12,23 @@ from cbpipe.models import ModelSource
 from cbpipe.models.support import check_config, own_attention_table_error
 from cbpipe.worker.attention import KVCache, ModelAttention, StepBinding, probe_model, register
 from cbpipe.worker.fused_projections import fuse_projections
+from cbpipe.worker.tensor_parallel import TensorParallel, retie_output_head, shard_model
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int | None = None) -> torch.device:
+    """``rank``: a tensor-parallel worker rank, which takes this host's GPU of its number
+    (modulo the GPUs the host has: with ranks on several hosts, each host's first rank
+    takes its GPU 0)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    if name == "cuda" and rank is not None:
+        return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(name)
 
 
@@ -40,14 +46,20 @@ def load_model(
     seed: int = 0,
     attn_implementation: str | None = "sdpa",
     fuse: bool = False,
+    tp: TensorParallel | None = None,
 ) -> PreTrainedModel:
     """The model in eval mode on ``device``; presets get seeded random weights made there.
 
     ``attn_implementation`` None lets transformers choose (SDPA where the model supports it).
 
-    ``fuse`` joins sibling projections into one product each (``fused_projections``).
+    ``fuse`` joins sibling projections into one product each (``fused_projections``), after
+    sharding: each rank fuses its own shards.
+
+    ``tp`` of more than one rank: this rank's shard only (``tensor_parallel.py``).
     """
-    if source.path is None:
+    if tp is not None and tp.world_size > 1:
+        model = _load_shard(source, device, dtype, seed, attn_implementation, tp)
+    elif source.path is None:
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
@@ -63,6 +75,38 @@ def load_model(
     return model
 
 
+def _load_shard(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    attn_implementation: str | None,
+    tp: TensorParallel,
+) -> PreTrainedModel:
+    """This rank's shard on ``device``. A checkpoint loads whole into host memory, is sliced
+    there and only the shard moves. A preset is built without storage (``meta``), sliced,
+    and only the shard gets random weights, on the device: a model that fits the ranks
+    together but not one device (the 70B preset on two GPUs) starts. Those weights are
+    seeded but not the ones the preset has at size 1 (the random stream follows the
+    shapes): comparisons across sizes use checkpoint folders."""
+    if source.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, dtype=dtype, attn_implementation=attn_implementation
+        )
+        shard_model(model, tp)
+        return model.to(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            source.config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    shard_model(model, tp)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)  # the same stream on every rank: replicated weights agree
+    model.initialize_weights()
+    retie_output_head(model)
+    return model
+
+
 def load_paged_model(
     source: ModelSource,
     device: torch.device,
@@ -71,6 +115,7 @@ def load_paged_model(
     seed: int = 0,
     fuse: bool = False,
     max_model_len: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[PreTrainedModel, ModelAttention]:
     """The model with paged attention plugged in, and its attention as the probe found it.
 
@@ -82,7 +127,9 @@ def load_paged_model(
     binding = StepBinding()
     name = register(binding)
     try:
-        model = load_model(source, device, dtype, seed=seed, attn_implementation=name, fuse=fuse)
+        model = load_model(
+            source, device, dtype, seed=seed, attn_implementation=name, fuse=fuse, tp=tp
+        )
     except KeyError as exc:
         if exc.args and exc.args[0] == name:  # GPT-J in transformers 5.17, Falcon in any
             raise own_attention_table_error(source.config, exc) from exc

@@ -28,6 +28,7 @@ from cbpipe.protocol.messages import (
     Message,
     Shutdown,
     Step,
+    StepDone,
     WorkerFailed,
     WorkerReady,
     decode,
@@ -46,6 +47,7 @@ from cbpipe.worker.model_loader import (
 )
 from cbpipe.worker.runner import LaunchedStep, StepRunner, logits_width
 from cbpipe.worker.sampling_state import SamplingState
+from cbpipe.worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger("cbpipe.worker")
 
@@ -54,24 +56,30 @@ IDLE_MS = 100  # no step for this long: the worker is idle
 HEARTBEAT_PERIOD_S = 0.1
 
 
-def worker_main(spec: RunSpec, ready: Connection) -> None:
-    """Entry point of the worker process (started by the launcher)."""
-    setup_logging(spec.config.log_level, "worker")
+def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
+    """Entry point of a worker process (started by the launcher): tensor-parallel rank
+    ``rank`` of ``--tensor-parallel-size``, the only one without tensor parallelism.
+
+    Every rank receives every step and runs it; rank 0 alone writes the outputs into the
+    slot and reports the step done. All ranks report ready, and failures."""
+    name = spec.worker_names[rank]
+    setup_logging(spec.config.log_level, name)
     context = zmq.Context()
-    steps = context.socket(zmq.PULL)
+    steps = context.socket(zmq.SUB)
+    steps.setsockopt(zmq.SUBSCRIBE, b"")  # now, so it has reached the scheduler by our ready
     steps.connect(spec.addresses.worker_steps)
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(
         target=_send_completions,
-        args=(context, spec.addresses.worker_results, outbox),
+        args=(context, spec.addresses.worker_results, outbox, rank == 0),
         name="completions",
         daemon=True,
     )
     sender.start()
     runner = segment = None
     try:
-        runner, segment, hello = _load(spec)
-        _keep_beating(spec.heartbeats(segment.buf).beater("worker"))
+        runner, segment, hello = _load(spec, rank)
+        _keep_beating(spec.heartbeats(segment.buf).beater(name))
         outbox.put(hello)
         ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
         _serve(steps, runner, outbox)
@@ -98,13 +106,17 @@ def worker_main(spec: RunSpec, ready: Connection) -> None:
         context.term()
 
 
-def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
+def _load(spec: RunSpec, rank: int) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
     config = spec.config
-    device = resolve_device(config.model.device)
+    rendezvous = spec.rendezvous
+    device = resolve_device(config.model.device, None if rendezvous is None else rank)
     dtype = resolve_dtype(config.model.dtype, device)
     if device.type == "cpu":
-        # Leave a core to the scheduler: the overlap we exist for is between processes.
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        # Leave a core to the scheduler: the overlap we exist for is between processes; the
+        # ranks share the rest.
+        world_size = 1 if rendezvous is None else rendezvous.world_size
+        torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // world_size))
+    tp = TensorParallel() if rendezvous is None else TensorParallel.join(rendezvous, rank, device)
     source = resolve_model(config.model.model)
     if device.type == "cuda":  # nothing is compiled on the CPU (Triton is interpreted there)
         use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
@@ -116,6 +128,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         seed=config.model.seed,
         fuse=config.worker.fuse_projections,
         max_model_len=config.model.max_model_len,
+        tp=tp,
     )
     phases.done("weights")
     # The full sampler's per-request rows come out of the memory the KV cache is sized from.
@@ -127,7 +140,9 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         vocab,
         SamplingState.nbytes(spec.layout.limits.max_seqs, vocab) / 1e6,
     )
-    num_blocks = num_kv_blocks(paged, config.cache, device, dtype)
+    # Every rank holds its kv heads of every block: the ranks agree on the fewest blocks any
+    # of them has room for, so the scheduler's block tables mean the same on each.
+    num_blocks = tp.min_int(num_kv_blocks(paged, config.cache, device, dtype), device)
     kv_cache = allocate_kv_cache(paged, num_blocks, config.cache.block_size, device, dtype)
     phases.done("KV cache")
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
@@ -150,6 +165,7 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         graph_batch_sizes=graph_sizes,
         compile_decode=config.worker.compile_decode and bool(graph_sizes),
         sampling_state=state,
+        writes_outputs=tp.rank == 0,
     )
     phases.done("warm-up and graphs" + (" (compile included)" if runner.compiled else ""))
     log.info("start-up: %s", phases.describe())
@@ -160,6 +176,8 @@ def _load(spec: RunSpec) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         eos_token_ids=source.eos_token_ids,
+        rank=tp.rank,
+        world_size=tp.world_size,
     )
     return runner, segment, hello
 
@@ -215,14 +233,19 @@ def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
         collector.stop()
 
 
-def _send_completions(context: zmq.Context, address: str, outbox: queue.Queue) -> None:
-    """Owns the results socket: reports each step once its outputs are in shared memory."""
+def _send_completions(
+    context: zmq.Context, address: str, outbox: queue.Queue, reports_steps: bool
+) -> None:
+    """Owns the results socket: reports each step once its outputs are in shared memory
+    (``reports_steps``: rank 0; the other ranks wait for each step too, so that a device
+    failure surfaces here, but send only their handshake and failures)."""
     results = context.socket(zmq.PUSH)
     results.connect(address)
     try:
         while (item := outbox.get()) is not _STOP:
             message: Message = item.wait() if isinstance(item, LaunchedStep) else item
-            results.send(encode(message))
+            if reports_steps or not isinstance(message, StepDone):
+                results.send(encode(message))
     except Exception as exc:
         log.exception("step failed on the device")
         results.send(encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))

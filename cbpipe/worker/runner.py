@@ -13,6 +13,10 @@ Slot ownership on the worker side (the scheduler's side is in ``scheduler/loop.p
   carries over from the step it sent just before (checked against ``carry_from_slot``).
 - The host output region of slot k is written by the D2H copy; ``StepDone`` is sent only after
   ``d2h_done[k]`` has completed, and from then on it is the scheduler's.
+- With tensor parallelism every rank reads the same host input region and only rank 0
+  writes the host output region and sends ``StepDone``. Rank 0's step N ends after its last
+  collective, which no rank enters before its own H2D copy of step N is done: so when the
+  scheduler rewrites a slot after ``StepDone``, no rank still reads it.
 
 On the CPU the streams and events are absent and each call runs to completion.
 """
@@ -136,7 +140,8 @@ def logits_width(model: PreTrainedModel) -> int:
     """Logits per row: the output embedding's rows (the configuration's vocabulary)."""
     head = model.get_output_embeddings()
     if head is not None:
-        return int(head.weight.shape[0])
+        # A tensor-parallel head holds a slice of the rows and gathers the whole width.
+        return int(getattr(head, "full_out_features", head.weight.shape[0]))
     return int(model.config.get_text_config().vocab_size)
 
 
@@ -207,6 +212,7 @@ class StepRunner:
         compile_decode: bool = False,
         sampling_state: SamplingState | None = None,
         full_sampling_graphs: bool = True,
+        writes_outputs: bool = True,
     ) -> None:
         """``attention``: the model's layers as the load-time probe found them, and the binding
         through which each step's attention reaches them.
@@ -220,7 +226,11 @@ class StepRunner:
         before sizing the KV cache, and a runner without one allocates its own.
         ``full_sampling_graphs``: capture the full sampler's decode variants too (without:
         FULL steps run eagerly; for measuring what they cost).
+        ``writes_outputs``: copy each step's outputs into the shared slot. Only tensor-parallel
+        rank 0 does; the other ranks compute the same outputs (they need the sampled ids for
+        the carry-over) and keep them on the device.
         """
+        self.writes_outputs = writes_outputs
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
@@ -476,7 +486,9 @@ class StepRunner:
         )
         with self._on(self.d2h_stream):
             self._wait(self.compute_done[k])
-            slot.host_output[:out_nbytes].copy_(slot.device_output[:out_nbytes], non_blocking=True)
+            if self.writes_outputs:
+                host_output = slot.host_output[:out_nbytes]
+                host_output.copy_(slot.device_output[:out_nbytes], non_blocking=True)
             self._record(self.d2h_done[k])
         self._last_d2h = self.d2h_done[k]
         launched_ns = time.perf_counter_ns()
