@@ -264,6 +264,12 @@ def _logsumexp(
     return row_max + (piece_sum * (piece_max - row_max[:, None]).exp()).sum(dim=-1).log()
 
 
+# Left out of the compiled sampler (the compiled graph breaks around it, and inside a CUDA
+# graph capture these ops are recorded like any others): inductor (torch 2.11) fails to
+# generate the split scan it picks for the running mass over a 128 k vocabulary with
+# dynamic shapes ("list indices must be integers or slices, not NoneType"), and the sort,
+# which inductor leaves to aten anyway, is most of this function's time.
+@torch.compiler.disable
 def _apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
