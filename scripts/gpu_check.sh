@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one script every GPU session runs, from the repository root on the device machine.
 # Parts (PARTS, a comma list, in this order):
-#   tests    pytest tests/gpu and the kernel tests on the GPU                   (~6 min)
+#   tests    pytest tests/gpu and the kernel tests on the GPU: over 9 min since the launched
+#            engines compile by default (one call stopped at 530 s, 26 tests in); split it
+#            with PYTEST_K="test_gpu or test_worker_step" and PYTEST_K="not (test_gpu or
+#            test_worker_step)"                                                 (~10-12 min)
 #   micro    scripts/bench_attention.py, scripts/bench_matmul.py, one decode step of random:llama-8b at batch 32
 #            (context 4096) eager vs CUDA graph against its bandwidth floor, and one mixed
 #            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)

@@ -133,6 +133,9 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
     from cbpipe.worker.runner import _compile
     from cbpipe.worker.sampler import FullSamplingInputs, sample_full
 
+    # Dynamo keeps at most 8 compiled variants of a function per process and runs it eagerly
+    # after that: the tests before this one compiled the sampler at other vocabularies.
+    torch._dynamo.reset()
     vocab, state_rows = 128_256, batch + 1
     gen = torch.Generator(device=CUDA).manual_seed(3)
     logits = torch.randn(batch, vocab, device=CUDA, generator=gen).to(torch.bfloat16) * 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -70,6 +72,26 @@ def test_each_model_gets_its_own_attention_function() -> None:
     # A step bound to one model's binding is not seen by the other's layers.
     with attention_a.binding.bind(ProbeStep([0, 4])), pytest.raises(RuntimeError, match="outside"):
         _forward(model_b, 4)
+
+
+def test_a_model_registers_the_same_attention_name_in_every_process() -> None:
+    """Dynamo names the compiled forward's shape symbols by a hash of the path to each
+    input, and the registered name is in that path: a name that differs between launches
+    (it held an ``id()``) gave the forward a new cache key in every process, so the compile
+    cache never served it and every start-up compiled it afresh."""
+    script = (
+        "from cbpipe.worker.attention import StepBinding\n"
+        "print(StepBinding().attn_implementation, StepBinding().attn_implementation)"
+    )
+    names = {
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)
+    }
+    assert len(names) == 1, names
+    first, second = names.pop().split()
+    assert first != second  # two models of one process still get their own
 
 
 def test_a_forward_without_a_step_raises_instead_of_using_an_old_one() -> None:

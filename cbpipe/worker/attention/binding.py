@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -49,16 +50,25 @@ class StepAttention(Protocol):
         ...
 
 
+# Numbers bindings in the order a process makes them. The registered name must be the same
+# in every launch of a model: it is part of the path by which dynamo reaches the attention
+# function's arguments, and dynamo names its shape symbols by a hash of that path, so a name
+# with an ``id()`` in it changed the compiled forward's cache key in every process and the
+# compile cache never served it.
+_binding_numbers = itertools.count()
+
+
 class StepBinding:
     """The step whose forward is running, for the attention calls of one model."""
 
     def __init__(self) -> None:
         self._step: StepAttention | None = None
+        self.number = next(_binding_numbers)
 
     @property
     def attn_implementation(self) -> str:
         """The name this binding's attention function is registered under."""
-        return f"{ATTN_IMPLEMENTATION_PREFIX}_{id(self):x}"
+        return f"{ATTN_IMPLEMENTATION_PREFIX}_{self.number}"
 
     @contextlib.contextmanager
     def bind(self, step: StepAttention) -> Iterator[None]:
