@@ -32,6 +32,7 @@ from tests.integration.test_engine_process import (
     submit_long_jobs,
     wait_launcher_exit,
 )
+from tests.integration.test_reliability import LIVENESS_S, stopped_child_test
 
 START_TIMEOUT_S = 180.0  # several ranks import torch side by side on a small machine
 MAX_NEW_TOKENS = 12
@@ -162,3 +163,13 @@ def test_a_killed_rank_fails_every_job_and_stops_the_launcher() -> None:
         assert "worker1 exited unexpectedly" in run.stderr, run.stderr
         assert not leftover_segments(run.pid)
         run.assert_cleaned_up()  # rank 0 and the scheduler are gone too
+
+
+def test_a_stopped_rank_fails_every_job_and_stops_the_launcher() -> None:
+    """A rank that stops (SIGSTOP: alive, silent) holds the others in their next
+    collective; its heartbeat goes stale, and the engine fails as for a stopped worker."""
+    flags = ("--model", "default", *ENGINE_FLAGS, "--tensor-parallel-size", "2",
+             "--liveness-timeout-s", str(LIVENESS_S))  # fmt: skip
+    with launch_engine(*flags, timeout=START_TIMEOUT_S) as run:
+        victim = int(run.engine.ready_fields["worker1"])
+        stopped_child_test(run, victim, "worker1 stopped responding")
