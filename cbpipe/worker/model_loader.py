@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -12,7 +13,13 @@ from cbpipe.models import ModelSource
 from cbpipe.models.support import check_config, own_attention_table_error
 from cbpipe.worker.attention import KVCache, ModelAttention, StepBinding, probe_model, register
 from cbpipe.worker.fused_projections import fuse_projections
-from cbpipe.worker.tensor_parallel import TensorParallel, retie_output_head, shard_model
+from cbpipe.worker.tensor_parallel import (
+    TensorParallel,
+    checkpoint_tensors,
+    read_shard,
+    retie_output_head,
+    shard_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +90,35 @@ def _load_shard(
     attn_implementation: str | None,
     tp: TensorParallel,
 ) -> PreTrainedModel:
-    """This rank's shard on ``device``. A checkpoint loads whole into host memory, is sliced
-    there and only the shard moves. A preset is built without storage (``meta``), sliced,
-    and only the shard gets random weights, on the device: a model that fits the ranks
-    together but not one device (the 70B preset on two GPUs) starts. Those weights are
-    seeded but not the ones the preset has at size 1 (the random stream follows the
-    shapes): comparisons across sizes use checkpoint folders."""
-    if source.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=dtype, attn_implementation=attn_implementation
-        )
-        shard_model(model, tp)
-        return model.to(device)
+    """This rank's shard on ``device``. The model is built without storage (``meta``) and
+    sliced, and only the shard is materialised, on the device: a model that fits the ranks
+    together but not one device (the 70B preset on two GPUs) starts. A checkpoint of
+    safetensors under the model's own names then fills it with this rank's slices, read
+    from the files alone (``read_shard``); any other checkpoint loads whole into host
+    memory, is sliced there and only the shard moves. A preset's weights are random:
+    seeded, but not the ones the preset has at size 1 (the random stream follows the
+    shapes), so comparisons across sizes use checkpoint folders."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             source.config, dtype=dtype, attn_implementation=attn_implementation
         )
-    shard_model(model, tp)
+    styles = shard_model(model, tp)
+    where = None
+    if source.path is not None:
+        where = checkpoint_tensors(model, Path(source.path))
+        if where is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=dtype, attn_implementation=attn_implementation
+            )
+            shard_model(model, tp)
+            return model.to(device)
     model.to_empty(device=device)
     torch.manual_seed(seed)  # the same stream on every rank: replicated weights agree
+    # Random weights for a preset; for a checkpoint, the buffers its files do not hold
+    # (rotary frequencies) computed as transformers computes them, then the weights read.
     model.initialize_weights()
+    if where is not None:
+        read_shard(model, where, styles, tp)
     retie_output_head(model)
     return model
 

@@ -33,14 +33,17 @@ all-reduce).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -218,9 +221,10 @@ def check_shardable(model: PreTrainedModel, world_size: int) -> dict[str, str]:
     return styles
 
 
-def shard_model(model: PreTrainedModel, tp: TensorParallel) -> None:
+def shard_model(model: PreTrainedModel, tp: TensorParallel) -> dict[str, str]:
     """Keep this rank's shard of every planned linear layer of ``model`` (in place; the rest
-    of each weight is freed, unless a tied module still holds it)."""
+    of each weight is freed, unless a tied module still holds it); returns each linear
+    module's style."""
     styles = check_shardable(model, tp.world_size)
     for name, style in styles.items():
         parent_name, _, child = name.rpartition(".")
@@ -244,6 +248,60 @@ def shard_model(model: PreTrainedModel, tp: TensorParallel) -> None:
         sum(n for s, n in counts.items() if s not in REPLICATED),
         ", ".join(f"{s} {n}" for s, n in counts.items()),
     )
+    return styles
+
+
+def checkpoint_tensors(model: PreTrainedModel, folder: Path) -> dict[str, Path] | None:
+    """Where each of ``model``'s parameters lies in the checkpoint's safetensors files, or
+    None when the checkpoint is not safetensors or its tensor names are not the model's own
+    (transformers converts some checkpoints' weights while loading: those load whole)."""
+    where = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt", device="cpu") as handle:
+            where.update(dict.fromkeys(handle.keys(), file))
+    if not where:
+        return None
+    tied = model.config.get_text_config().tie_word_embeddings
+    head = model.get_output_embeddings()
+    head_weight = next((f"{n}.weight" for n, m in model.named_modules() if m is head), None)
+    missing = [
+        name
+        for name, _ in model.named_parameters()
+        if name not in where and not (tied and name == head_weight)
+    ]
+    if missing:
+        log.info("%d parameters (%s, ...) are not in the checkpoint under their own names: "
+                 "loading it whole", len(missing), missing[0])  # fmt: skip
+        return None
+    return where
+
+
+def read_shard(
+    model: PreTrainedModel, where: dict[str, Path], styles: dict[str, str], tp: TensorParallel
+) -> None:
+    """Fill ``model``'s sharded parameters (``shard_model``, materialised) with this rank's
+    slices of the checkpoint (``checkpoint_tensors``), reading only those slices: each
+    rank's host memory holds its shard, never the whole model."""
+    with contextlib.ExitStack() as stack:
+        handles = {
+            file: stack.enter_context(safe_open(str(file), "pt", device="cpu"))
+            for file in set(where.values())
+        }
+        for name, param in model.named_parameters():
+            if name not in where:
+                continue  # the tied head: it views the input embeddings (retie_output_head)
+            module, _, leaf = name.rpartition(".")
+            style, piece = styles.get(module), handles[where[name]].get_slice(name)
+            if style in (COLWISE, GATHERED):
+                rows = tp.rows(piece.get_shape()[0])
+                part = piece[rows.start : rows.stop]
+            elif style == ROWWISE and leaf == "weight":
+                columns = tp.rows(piece.get_shape()[1])
+                part = piece[:, columns.start : columns.stop]
+            else:
+                part = piece[:]
+            with torch.no_grad():
+                param.copy_(part)
 
 
 def retie_output_head(model: PreTrainedModel) -> None:

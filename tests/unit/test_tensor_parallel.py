@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from cbpipe.models import resolve_model
+from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
 from cbpipe.models.support import UnsupportedModel, check_tensor_parallel
-from cbpipe.worker.tensor_parallel import check_shardable, model_tp_plan
+from cbpipe.worker.model_loader import load_model
+from cbpipe.worker.tensor_parallel import (
+    TensorParallel,
+    check_shardable,
+    checkpoint_tensors,
+    model_tp_plan,
+    shard_model,
+)
 
 
 def _tiny_llama(**overrides: object) -> LlamaConfig:
@@ -49,3 +59,54 @@ def test_a_vocabulary_the_ranks_cannot_split_is_refused() -> None:
     model = AutoModelForCausalLM.from_config(_tiny_llama(vocab_size=63))
     with pytest.raises(UnsupportedModel, match="lm_head's 63 outputs"):
         check_shardable(model, 2)
+
+
+def _whole_then_sharded(folder: str, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    shard_model(model, tp)
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("arch", ["default", "qwen2"])
+def test_a_rank_reads_exactly_its_slices_of_a_safetensors_checkpoint(
+    arch: str, tmp_path: Path
+) -> None:
+    """Each rank's shard, read slice by slice from the files, equals the whole checkpoint
+    loaded by transformers and then sharded: every parameter and buffer, tied head
+    included (the embedded model ties it; the Qwen2 has biases on q, k and v)."""
+    from tests.architectures import Arch, build_checkpoint
+
+    if arch == "default":
+        folder = str(EMBEDDED_MODEL_DIR)
+    else:
+        config = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}
+        folder = str(build_checkpoint(Arch("qwen2", config), tmp_path / "qwen2"))
+    source = resolve_model(folder)
+
+    def whole(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the checkpoint was loaded whole, not read in slices")
+
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(AutoModelForCausalLM, "from_pretrained", whole)
+            read = load_model(source, torch.device("cpu"), torch.float32, tp=tp)
+        got = {**dict(read.named_parameters()), **dict(read.named_buffers())}
+        want = _whole_then_sharded(folder, tp)
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), (rank, name)
+        if source.config.get_text_config().tie_word_embeddings:
+            head, embedding = read.get_output_embeddings(), read.get_input_embeddings()
+            rows = tp.rows(head.full_out_features)
+            assert head.weight.data_ptr() == embedding.weight[rows].data_ptr()  # a view
+
+
+def test_a_checkpoint_under_other_names_is_not_read_in_slices(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_config(_tiny_llama())
+    save_file({f"renamed.{k}": v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    assert checkpoint_tensors(model, tmp_path) is None
+    assert checkpoint_tensors(model, tmp_path / "nothing-here") is None
