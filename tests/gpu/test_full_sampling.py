@@ -131,7 +131,8 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
     top-p's running mass, whose code generation failed at start-up of every 8B and 1B
     engine once the compiled path became the default."""
     from cbpipe.worker.runner import _compile
-    from cbpipe.worker.sampler import FullSamplingInputs, sample_full
+    from cbpipe.worker.sampler import sample_full
+    from tests.unit.test_full_sampler import full_inputs
 
     # Dynamo keeps at most 8 compiled variants of a function per process and runs it eagerly
     # after that: the tests before this one compiled the sampler at other vocabularies.
@@ -143,19 +144,13 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
     counts = torch.randint(0, 2, (state_rows, vocab), device=CUDA, generator=gen).int()
     seen = counts > 0
 
-    def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.full((batch,), value, dtype=dtype, device=CUDA)
-
     compiled = _compile(sample_full)
     for truncation in (False, True):
         for top_logprobs in (False, True):
-            inputs = FullSamplingInputs(
-                temperature=column(0.8), top_p=column(0.9), top_k=column(50, torch.int32),
-                min_p=column(0.02), presence_penalty=column(0.3),
-                frequency_penalty=column(0.2), repetition_penalty=column(1.1),
-                seed=torch.arange(batch, device=CUDA), output_index=column(4, torch.int32),
-                rows=torch.arange(batch, device=CUDA), truncation=truncation,
-                top_logprobs=top_logprobs,
+            inputs = full_inputs(
+                batch, CUDA, temperature=0.8, top_p=0.9, top_k=50, min_p=0.02,
+                presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1,
+                output_index=4, truncation=truncation, top_logprobs=top_logprobs,
             )  # fmt: skip
             eager = sample_full(logits, bias, counts, seen, inputs)
             result = compiled(logits, bias, counts, seen, inputs)

@@ -31,9 +31,11 @@ from cbpipe.worker.sampling_state import SamplingState
 VOCAB = 300
 
 
-def full_inputs(n: int, **overrides: object) -> FullSamplingInputs:
+def full_inputs(
+    n: int, device: torch.device | str = "cpu", **overrides: object
+) -> FullSamplingInputs:
     def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.full((n,), value, dtype=dtype)
+        return torch.full((n,), value, dtype=dtype, device=device)
 
     fields: dict[str, object] = dict(
         temperature=column(1.0),
@@ -43,16 +45,16 @@ def full_inputs(n: int, **overrides: object) -> FullSamplingInputs:
         presence_penalty=column(0.0),
         frequency_penalty=column(0.0),
         repetition_penalty=column(1.0),
-        seed=torch.arange(n),
+        seed=torch.arange(n, device=device),
         output_index=column(0, torch.int32),
-        rows=torch.arange(n),
+        rows=torch.arange(n, device=device),
         truncation=False,
         top_logprobs=False,
     )
     for name, value in overrides.items():
         current = fields[name]
         if isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):
-            value = torch.full((n,), value, dtype=current.dtype)  # type: ignore[arg-type]
+            value = column(value, current.dtype)  # type: ignore[arg-type]
         fields[name] = value
     return FullSamplingInputs(**fields)  # type: ignore[arg-type]
 
