@@ -25,7 +25,7 @@ import bisect
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
 import torch
@@ -54,6 +54,14 @@ class GraphVariant(NamedTuple):
     sampling: SamplingMode
     top_logprobs: bool = False
     truncation: bool = False
+
+    @property
+    def label(self) -> str:
+        """For logs: greedy, temperature, full, full+top-k/top-p+alternatives, ..."""
+        if self.sampling is not SamplingMode.FULL:
+            return "greedy" if self.sampling is SamplingMode.GREEDY else "temperature"
+        truncation = "+top-k/top-p" if self.truncation else ""
+        return f"full{truncation}{'+alternatives' if self.top_logprobs else ''}"
 
 
 GREEDY = GraphVariant(SamplingMode.GREEDY)
@@ -129,15 +137,32 @@ def tuning_batch(batch_sizes: Sequence[int]) -> int:
     return next((b for b in sorted(batch_sizes) if b >= _TUNING_BATCH), max(batch_sizes))
 
 
+def compiled_bucket_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """``batch_sizes`` for a compiled decode body: without 1 where there is a larger bucket.
+
+    Dynamo specialises every dimension of size 1, dynamic shapes or not, so a bucket of one
+    row would compile the whole forward and its samplers a second time, at start-up. A step of
+    one sequence replays the bucket of two instead, with a padding row: a decode step reads
+    the weights either way.
+    """
+    ordered = sorted(batch_sizes)
+    return ordered[1:] if len(ordered) > 1 and ordered[0] == 1 else ordered
+
+
 class DecodeGraphs:
     def __init__(self) -> None:
         self._graphs: dict[tuple[int, int, GraphVariant], Replayable] = {}
         self.batch_sizes: list[int] = []
         self.full_batch_sizes: list[int] = []
-        self.first_run_s = 0.0  # the uncaptured run at ``first_batch`` (a compile, if any)
+        # The uncaptured run of each variant at ``first_batch``: a compile, if any (the first
+        # variant's includes the forward's).
+        self.first_run_s: dict[GraphVariant, float] = {}
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def __iter__(self) -> Iterator[Replayable]:
+        return iter(self._graphs.values())
 
     def capture(
         self,
@@ -165,13 +190,13 @@ class DecodeGraphs:
         for batch in self.full_batch_sizes:
             variants[batch] = variants.get(batch, []) + list(full_variants)
         if first_batch is not None:
-            started = time.perf_counter()
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for variant in (GREEDY, RANDOM, *full_variants):
+                    started = time.perf_counter()
                     body(slots[0], first_batch, variant)
-            if stream is not None:
-                stream.synchronize()
-            self.first_run_s = time.perf_counter() - started
+                    if stream is not None:
+                        stream.synchronize()
+                    self.first_run_s[variant] = time.perf_counter() - started
         pool = torch.cuda.graph_pool_handle() if stream is not None else None
         for batch in sorted(variants, reverse=True):
             for variant in variants[batch]:
@@ -207,10 +232,25 @@ class DecodeGraphs:
 
 
 def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) -> Replayable:
+    """Run ``body`` once uncaptured (lazy initialisation happens there, outside the graph),
+    then capture it on ``stream`` into ``pool``.
+
+    Not through ``torch.cuda.graph``: entering it empties the allocator's caches, device and
+    host, to free memory for the graph, so each of a few hundred captures freed what the
+    uncaptured run had just allocated and the next run allocated it again. The graphs share
+    one pool, and the uncaptured runs' memory is the same few blocks each time.
+    """
     with torch.cuda.stream(stream):
-        body()  # lazy initialisation happens here, outside the graph
+        body()
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        body()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool)
+        try:
+            body()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the capture is invalid: end it anyway
+                graph.capture_end()
+            raise
+        graph.capture_end()
     return graph

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.fx.experimental import _config as symbolic_shapes_config
 from transformers import PreTrainedModel
 
 from cbpipe.protocol.messages import SamplingMode, Step, StepDone
@@ -60,6 +61,7 @@ from cbpipe.worker.cuda_graphs import (
     GraphVariant,
     Replayable,
     capture_blocker,
+    compiled_bucket_sizes,
     tuning_batch,
 )
 from cbpipe.worker.sampler import (
@@ -100,6 +102,25 @@ def _typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Re
 # swung from 7 to 19 us a layer (session 6 in docs/PERFORMANCE.md). Without the timing every
 # start-up gets inductor's first candidate, the same each time; reductions are still timed.
 _COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
+
+
+def _without_duck_sizing() -> contextlib.AbstractContextManager[None]:
+    """Compile with every input size its own symbol.
+
+    By default dynamo gives sizes that are equal at the first call one symbol ("duck
+    sizing"), and a graph body's inputs are slices of fixed buffers: where the first batch
+    equalled the length of one of them (the slot header's four fields at a batch of 4, the
+    per-sequence rows at the largest bucket), the body compiled for that size only, and
+    every other bucket compiled it again.
+    """
+    return symbolic_shapes_config.patch(use_duck_shape=False)  # type: ignore[no-any-return]
+
+
+def _dynamo_graphs() -> int:
+    """How many graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _compile(fn: Callable) -> Callable:
@@ -371,29 +392,41 @@ class StepRunner:
         self._compute(step, self.slots[0])
 
     def _capture_graphs(self, batch_sizes: Sequence[int], full_sampling: bool) -> None:
-        if max(batch_sizes) > self.layout.limits.max_seqs:
+        max_seqs = self.layout.limits.max_seqs
+        if max(batch_sizes) > max_seqs:
             raise ValueError(
-                f"graph batch sizes {list(batch_sizes)} exceed the slots' "
-                f"{self.layout.limits.max_seqs} sequences"
+                f"graph batch sizes {list(batch_sizes)} exceed the slots' {max_seqs} sequences"
             )
+        if self.compiled:
+            batch_sizes = compiled_bucket_sizes(batch_sizes)
+        compiles_before = _dynamo_graphs()
         started = time.perf_counter()
-        self.graphs.capture(
-            self._graph_body,
-            batch_sizes=batch_sizes,
-            slots=self.slots,
-            stream=self.compute_stream,
-            first_batch=tuning_batch(batch_sizes) if self.compiled else None,
-            full_sampling=full_sampling,
-        )
+        with _without_duck_sizing():  # where the bodies compile
+            self.graphs.capture(
+                self._graph_body,
+                batch_sizes=batch_sizes,
+                slots=self.slots,
+                stream=self.compute_stream,
+                first_batch=tuning_batch(batch_sizes) if self.compiled else None,
+                full_sampling=full_sampling,
+            )
         log.info(
             "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s",
             len(self.graphs),
             self.graphs.batch_sizes,
             self.graphs.full_batch_sizes,
             time.perf_counter() - started,
-            f", compiling their forward and samplers {self.graphs.first_run_s:.1f} s of it"
-            if self.compiled
-            else "",
+            self._compile_summary(compiles_before) if self.compiled else "",
+        )
+
+    def _compile_summary(self, compiles_before: int) -> str:
+        """How long the first run of each variant took (its compile), and how many graphs
+        dynamo compiled in all: more than at the first runs means a bucket recompiled."""
+        first_runs = self.graphs.first_run_s
+        each = ", ".join(f"{v.label} {seconds:.1f}" for v, seconds in first_runs.items())
+        return (
+            f", compiling their forward and samplers {sum(first_runs.values()):.1f} s of it "
+            f"({each}), {_dynamo_graphs() - compiles_before} dynamo graphs"
         )
 
     def _event(self, timing: bool = False) -> torch.cuda.Event | None:

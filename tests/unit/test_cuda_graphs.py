@@ -10,6 +10,7 @@ from cbpipe.worker.cuda_graphs import (
     DecodeGraphs,
     GraphVariant,
     bucket_sizes,
+    compiled_bucket_sizes,
     full_bucket_sizes,
     tuning_batch,
 )
@@ -26,6 +27,12 @@ def test_the_tuning_batch_is_the_smallest_bucket_of_at_least_32_rows() -> None:
     assert tuning_batch(bucket_sizes(256)) == 32
     assert tuning_batch([1, 2, 4, 8, 16, 24, 40, 48]) == 40
     assert tuning_batch([1, 2, 4, 6]) == 6  # none that large: the largest
+
+
+def test_compiled_buckets_leave_out_batch_1_where_a_larger_one_serves() -> None:
+    assert compiled_bucket_sizes(bucket_sizes(256))[:3] == [2, 4, 8]
+    assert compiled_bucket_sizes([1]) == [1]
+    assert compiled_bucket_sizes([2, 4]) == [2, 4]
 
 
 def test_the_full_samplers_buckets_are_powers_of_two_from_8_and_the_largest() -> None:
