@@ -11,7 +11,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from cbpipe.config import CacheConfig
 from cbpipe.models import ModelSource
 from cbpipe.models.support import check_config, own_attention_table_error
-from cbpipe.worker.attention import KVCache, ModelAttention, StepBinding, probe_model, register
+from cbpipe.worker.attention import (
+    KVCache,
+    ModelAttention,
+    StepBinding,
+    attach_kv_cache,
+    probe_model,
+    register,
+)
 from cbpipe.worker.fused_projections import fuse_projections
 from cbpipe.worker.tensor_parallel import (
     TensorParallel,
@@ -192,4 +199,6 @@ def allocate_kv_cache(
     keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
     values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
     log.info("KV cache: %d blocks of %d tokens, %s per layer", num_blocks, block_size, shape)
-    return KVCache(keys, values, block_size, num_blocks)
+    kv_cache = KVCache(keys, values, block_size, num_blocks)
+    attach_kv_cache(kv_cache, [layer.module for layer in attention.layers])
+    return kv_cache

@@ -12,7 +12,14 @@
 """
 
 from cbpipe.worker.attention.binding import StepAttention, StepBinding, register
-from cbpipe.worker.attention.paged import DecodeGraphStep, KVCache, PagedStep, RowsAttention
+from cbpipe.worker.attention.paged import (
+    DecodeGraphStep,
+    KVCache,
+    PagedStep,
+    RowsAttention,
+    attach_kv_cache,
+    layer_cache,
+)
 from cbpipe.worker.attention.probe import LayerAttention, ModelAttention, probe_model
 from cbpipe.worker.attention.torch_rows import GatheredRows, attend_gathered, attend_math
 from cbpipe.worker.attention.triton_rows import (
@@ -37,8 +44,10 @@ __all__ = [
     "StepAttention",
     "StepBinding",
     "UnsupportedAttention",
+    "attach_kv_cache",
     "attend_gathered",
     "attend_math",
+    "layer_cache",
     "load_decode_kernel",
     "load_prefill_kernel",
     "probe_model",

@@ -40,7 +40,7 @@ class StepAttention(Protocol):
 
     def attend(
         self,
-        layer: int,
+        layer: torch.nn.Module,  # the layer's attention module (``paged.layer_cache``)
         variant: AttentionVariant,
         query: torch.Tensor,  # [num_tokens, heads, head_dim]
         key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -119,7 +119,7 @@ def paged_attention_forward(
     """The attention function transformers calls; the step bound to ``binding`` answers it."""
     variant = read_call(module, query, key, value, attention_mask, args, kwargs)
     out = binding.step.attend(
-        getattr(module, "layer_idx", None),  # type: ignore[arg-type]  # the probe checks it
+        module,
         variant,
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),

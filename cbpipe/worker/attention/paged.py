@@ -18,7 +18,7 @@ A new backend is one more ``RowsAttention``; a new attention variant is a field 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,10 +84,29 @@ def write_with_op(
     torch.ops.cbpipe.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
+# Each attention module holds its layer's part of the cache as two buffers (not saved with
+# the model), so a layer's forward reaches its cache the way it reaches its weights. A compiled
+# decoder layer is then one graph for every layer (``worker/compiled_layers.py``); an index
+# into a list of layers, read in the attention call, made dynamo compile each layer apart.
+_KEYS, _VALUES = "cbpipe_key_cache", "cbpipe_value_cache"
+
+
+def attach_kv_cache(kv_cache: KVCache, modules: Sequence[torch.nn.Module]) -> None:
+    """Give each layer's attention module (in layer order) its keys and values."""
+    for module, keys, values in zip(modules, kv_cache.keys, kv_cache.values, strict=True):
+        module.register_buffer(_KEYS, keys, persistent=False)
+        module.register_buffer(_VALUES, values, persistent=False)
+
+
+def layer_cache(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``attach_kv_cache`` gave the attention module ``layer``."""
+    return getattr(layer, _KEYS), getattr(layer, _VALUES)
+
+
 def _to_cache(
-    kv_cache: KVCache, layer: int, key: torch.Tensor, value: torch.Tensor
+    layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    k_cache, v_cache = kv_cache.keys[layer], kv_cache.values[layer]
+    k_cache, v_cache = layer_cache(layer)
     return k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype)
 
 
@@ -102,13 +121,13 @@ class PagedStep:
 
     def attend(
         self,
-        layer: int,
+        layer: torch.nn.Module,
         variant: AttentionVariant,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
-        k_cache, v_cache, key, value = _to_cache(self.kv_cache, layer, key, value)
+        k_cache, v_cache, key, value = _to_cache(layer, key, value)
         self.write(key, value, k_cache, v_cache, self.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in self.groups:
@@ -205,13 +224,13 @@ class DecodeGraphStep:
 
     def attend(
         self,
-        layer: int,
+        layer: torch.nn.Module,
         variant: AttentionVariant,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
-        k_cache, v_cache, key, value = _to_cache(self.kv_cache, layer, key, value)
+        k_cache, v_cache, key, value = _to_cache(layer, key, value)
         write_with_op(key, value, k_cache, v_cache, self.slot_mapping)
         return torch.ops.cbpipe.decode_attention(
             query,

@@ -50,6 +50,7 @@ class LayerAttention:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    module: torch.nn.Module = field(compare=False, repr=False)  # holds the layer's cache
 
 
 @dataclass
@@ -94,9 +95,10 @@ class ModelAttention:
 
 @dataclass
 class _Call:
-    layer: int | None
+    layer: int | None  # the module's layer_idx
     variant: AttentionVariant
     shapes: tuple[tuple[int, ...], ...]
+    module: torch.nn.Module
 
 
 @dataclass
@@ -109,14 +111,14 @@ class ProbeStep:
 
     def attend(
         self,
-        layer: int,
+        layer: torch.nn.Module,
         variant: AttentionVariant,
         query: torch.Tensor,  # [num_tokens, heads, head_dim]
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
         shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
-        self.calls.append(_Call(layer, variant, shapes))
+        self.calls.append(_Call(getattr(layer, "layer_idx", None), variant, shapes, layer))
         return dense_attention(query, key, value, self.query_start, variant)
 
 
@@ -211,7 +213,7 @@ def _layers(arch: str, calls: list[_Call], num_layers: int) -> list[LayerAttenti
         (_, heads, head_dim), (_, kv_heads, _), _ = call.shapes
         index = call.layer
         assert index is not None
-        layers.append(LayerAttention(index, call.variant, heads, kv_heads, head_dim))
+        layers.append(LayerAttention(index, call.variant, heads, kv_heads, head_dim, call.module))
     shapes = {(la.num_heads, la.num_kv_heads, la.head_dim) for la in layers}
     if len(shapes) > 1:
         raise UnsupportedModel(
