@@ -56,6 +56,7 @@ from cbpipe.worker.attention import (
     PrefillKernel,
     StepAttention,
 )
+from cbpipe.worker.compiled_layers import compile_layers
 from cbpipe.worker.cuda_graphs import (
     DecodeGraphs,
     GraphVariant,
@@ -275,7 +276,7 @@ class StepRunner:
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
         self.compiled = compile_decode  # whether decode graphs run a compiled forward
-        self._decode_model = _compile(model) if compile_decode else model
+        self._decode_model = compile_layers(model, _compile) if compile_decode else model
         # Sampling too: its reductions over the vocabulary fuse into a kernel or two. Only in
         # graphs, whose variants (greedy or not, no top-k/top-p) all compile at capture.
         self._decode_sample = _compile(sample) if compile_decode else sample

@@ -1,0 +1,76 @@
+"""The decode forward compiled a layer at a time: one graph for every layer, each layer still
+reading its own weights and KV cache, and the eager model untouched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig
+
+from cbpipe.models import ModelSource
+from cbpipe.worker.attention import KVCache, attach_kv_cache, layer_cache
+from cbpipe.worker.compiled_layers import compile_layers
+from cbpipe.worker.model_loader import load_paged_model
+
+CONFIG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+@dataclass
+class _CacheReadingStep:
+    """Attention that is each row's value plus the mean of its layer's cached keys: a
+    compiled layer that read another layer's cache (or baked in the first one's) differs."""
+
+    def attend(self, layer, variant, query, key, value):  # type: ignore[no-untyped-def]
+        keys, _ = layer_cache(layer)
+        group = query.shape[1] // value.shape[1]
+        return value.repeat_interleave(group, dim=1) + keys.mean()
+
+
+def _forward(model: torch.nn.Module, n: int) -> torch.Tensor:
+    ids = torch.arange(1, n + 1)[None]
+    return model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits[0]
+
+
+def test_one_graph_serves_every_layer_with_its_own_cache() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    model, attention = load_paged_model(
+        ModelSource("tiny", None, LlamaConfig(**CONFIG)), torch.device("cpu"), torch.float32
+    )
+    shape = (8, attention.num_kv_heads, attention.head_dim)
+    kv = KVCache([torch.full(shape, float(i)) for i in range(4)], [torch.zeros(shape)] * 4, 4, 1)
+    attach_kv_cache(kv, [layer.module for layer in attention.layers])
+    decode = compile_layers(model, lambda m: torch.compile(m, dynamic=True, backend="eager"))
+    with torch.inference_mode():
+        for n in (5, 9, 3):
+            with attention.binding.bind(_CacheReadingStep()):
+                eager = _forward(model, n)
+            with attention.binding.bind(_CacheReadingStep()):
+                compiled = _forward(decode, n)
+            torch.testing.assert_close(compiled, eager)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # The eager model kept its own layers; the decode forward shares their weights.
+    assert not any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
+    assert {p.data_ptr() for p in decode.parameters()} == {p.data_ptr() for p in model.parameters()}
+
+
+def test_a_model_that_names_no_layer_class_is_compiled_whole() -> None:
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+    model = Plain()
+    compiled = []
+    assert compile_layers(model, lambda m: compiled.append(m) or m) is model
+    assert compiled == [model]
