@@ -13,16 +13,9 @@ from cbpipe.models import ModelSource
 from cbpipe.worker.attention import KVCache, attach_kv_cache, layer_cache
 from cbpipe.worker.compiled_layers import compile_layers
 from cbpipe.worker.model_loader import load_paged_model
+from tests.unit.test_attention_binding import SMALL, _forward
 
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+CONFIG = SMALL | {"num_hidden_layers": 4}
 
 
 @dataclass
@@ -34,11 +27,6 @@ class _CacheReadingStep:
         keys, _ = layer_cache(layer)
         group = query.shape[1] // value.shape[1]
         return value.repeat_interleave(group, dim=1) + keys.mean()
-
-
-def _forward(model: torch.nn.Module, n: int) -> torch.Tensor:
-    ids = torch.arange(1, n + 1)[None]
-    return model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits[0]
 
 
 def test_one_graph_serves_every_layer_with_its_own_cache() -> None:
