@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The one script every GPU session runs, from the repository root on the device machine.
 # Parts (PARTS, a comma list, in this order):
-#   tests    pytest tests/gpu and the kernel tests on the GPU: over 9 min since the launched
-#            engines compile by default (one call stopped at 530 s, 26 tests in); split it
-#            with PYTEST_K="test_gpu or test_worker_step" and PYTEST_K="not (test_gpu or
-#            test_worker_step)"                                                 (~10-12 min)
+#   tests    pytest tests/gpu and the kernel tests on the GPU: more than one call holds, since
+#            the launched engines compile by default; split it by files with TEST_PATHS:
+#            "tests/gpu/test_gpu.py" (554 s together with the next at 64bbfb6, the two
+#            engine fixtures 154 s each), "tests/gpu/test_worker_step.py kernels", then
+#            "tests/gpu/test_architectures_gpu.py tests/gpu/test_full_sampling.py"
+#            (PYTEST_K="test_gpu" matches the kernel tests' test_gpu_* cases too) (~15 min)
 #   micro    scripts/bench_attention.py, scripts/bench_matmul.py, one decode step of random:llama-8b at batch 32
 #            (context 4096) eager vs CUDA graph against its bandwidth floor, and one mixed
 #            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)
@@ -79,6 +81,8 @@
 #   SAMPLING_NO_FULL_GRAPHS=1  also the sampling part's runs without the full sampler's graphs
 #   SAMPLING_TESTS=1       also the sampling part's GPU tests of the full sampler
 #   GEMMA2_MODES="--no-cuda-graphs --cuda-graphs --compile-decode"  the gemma2 part's steps
+#   TEST_PATHS="tests/gpu kernels"  the tests part's test files or folders (word-split;
+#                          "kernels": the four Triton kernel tests under tests/unit)
 #   PYTEST_K=              a pytest -k expression to run part of the tests
 #   TEST_TIMEOUT=480       seconds for the tests part (the suite took 361 s at 92754fa)
 #   BENCH_TIMEOUT=200      seconds for each benchmark (both modes); the target part's 8B run
@@ -192,9 +196,16 @@ rcs=()
 
 if want tests; then
     section tests
-    kernel_tests=(tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py
-        tests/unit/test_cache_write_kernel.py tests/unit/test_greedy_sample_kernel.py)
-    timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu "${kernel_tests[@]}" \
+    test_paths=()
+    for path in ${TEST_PATHS:-tests/gpu kernels}; do
+        if [[ $path == kernels ]]; then
+            test_paths+=(tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py
+                tests/unit/test_cache_write_kernel.py tests/unit/test_greedy_sample_kernel.py)
+        else
+            test_paths+=("$path")
+        fi
+    done
+    timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest "${test_paths[@]}" \
         -m gpu -v -s --durations=15 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
     rcs+=("tests=${PIPESTATUS[0]}")
 fi
