@@ -95,10 +95,14 @@ class ModelAttention:
 
 @dataclass
 class _Call:
-    layer: int | None  # the module's layer_idx
+    module: torch.nn.Module  # the layer's attention module
     variant: AttentionVariant
     shapes: tuple[tuple[int, ...], ...]
-    module: torch.nn.Module
+
+    @property
+    def layer(self) -> int | None:
+        """The module's ``layer_idx``: its KV cache layer."""
+        return getattr(self.module, "layer_idx", None)
 
 
 @dataclass
@@ -118,7 +122,7 @@ class ProbeStep:
         value: torch.Tensor,
     ) -> torch.Tensor:
         shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
-        self.calls.append(_Call(getattr(layer, "layer_idx", None), variant, shapes, layer))
+        self.calls.append(_Call(layer, variant, shapes))
         return dense_attention(query, key, value, self.query_start, variant)
 
 
