@@ -33,7 +33,7 @@ from types import FrameType
 from cbpipe import config as config_module
 from cbpipe.config import EngineConfig
 from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
-from cbpipe.lifetime import end_with_parent
+from cbpipe.lifetime import end_with_parent, process_age_s
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.models.support import check_config, check_tensor_parallel, length_limit
@@ -179,7 +179,11 @@ class Launcher:
             print(f"cbpipe-launch: cannot serve HTTP on {server.host}:{server.port}: {exc}",
                   file=sys.stderr)  # fmt: skip
             return 2
-        started = time.monotonic()
+        # Start-up, as the ready line gives it, counts from this process's own start: its
+        # imports and the model's configuration are part of the wait.
+        age = process_age_s() or 0.0
+        started = time.monotonic() - age
+        log.info("imports and checks took %.1f s; starting the engine's processes", age)
         remove_dead_launches()
         run_dir = tempfile.mkdtemp(prefix=run_dir_prefix())
         segment = create_segment(new_segment_name(), layout.segment_nbytes)

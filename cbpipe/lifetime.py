@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Loaded at import, in the parent: a pre-exec hook runs after fork and must not dlopen.
@@ -32,3 +33,15 @@ def end_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signum)
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), signum)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (interpreter start-up and imports included), or
+    None where the kernel does not say (outside Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except OSError:
+        return None
+    started_ticks = int(fields[19])  # starttime, field 22, in clock ticks since boot
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")

@@ -221,7 +221,15 @@ def launcher_args(args: argparse.Namespace, run: str) -> list[str]:
 # --- one mode -------------------------------------------------------------------------------
 
 # What a worker logs at --log-level info about where its start-up went.
-_STARTUP_MARKS = ("start-up:", "compile cache", "warmed up", "captured ")
+_STARTUP_MARKS = (
+    "start-up:",
+    "compile cache",
+    "warmed up",
+    "captured ",
+    "compile phases",
+    "imports and checks",
+    " ready: ",
+)
 
 
 def startup_lines(engine_log: str) -> list[str]:

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from cbpipe.collector import CollectorPacing
+from cbpipe.lifetime import process_age_s
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.models.support import UnsupportedModel
@@ -107,6 +108,7 @@ def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
 
 
 def _load(spec: RunSpec, rank: int) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
+    phases = StartupPhases.since_process_start()
     config = spec.config
     rendezvous = spec.rendezvous
     device = resolve_device(config.model.device, None if rendezvous is None else rank)
@@ -120,7 +122,8 @@ def _load(spec: RunSpec, rank: int) -> tuple[StepRunner, AttachedSegment, Worker
     source = resolve_model(config.model.model)
     if device.type == "cuda":  # nothing is compiled on the CPU (Triton is interpreted there)
         use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
-    phases = StartupPhases()
+        torch.zeros(1, device=device)  # the context, which the weights would otherwise pay for
+    phases.done("device")
     model, paged = load_paged_model(
         source,
         device,
@@ -188,6 +191,15 @@ class StartupPhases:
     def __init__(self) -> None:
         self._last = time.perf_counter()
         self.seconds: dict[str, float] = {}
+
+    @classmethod
+    def since_process_start(cls) -> StartupPhases:
+        """Phases whose first is the interpreter's start and the imports, up to now."""
+        phases = cls()
+        age = process_age_s()
+        if age is not None:
+            phases.seconds["imports"] = age
+        return phases
 
     def done(self, name: str) -> None:
         now = time.perf_counter()

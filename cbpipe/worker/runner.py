@@ -124,6 +124,15 @@ def _dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _compile_phases(top: int = 10) -> str:
+    """Where dynamo and inductor have spent their time in this process, in seconds."""
+    from torch._dynamo.utils import compile_times
+
+    names, totals = compile_times(repr="csv", aggregate=True)
+    longest = sorted(zip(names, map(float, totals), strict=True), key=lambda p: -p[1])
+    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in longest[:top])
+
+
 def _compile(fn: Callable) -> Callable:
     """``fn`` through ``torch.compile``: dynamic shapes, element-wise tiles not timed."""
     return torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS)
@@ -419,6 +428,8 @@ class StepRunner:
             time.perf_counter() - started,
             self._compile_summary(compiles_before) if self.compiled else "",
         )
+        if self.compiled:
+            log.info("compile phases, longest first (they nest): %s", _compile_phases())
 
     def _compile_summary(self, compiles_before: int) -> str:
         """How long the first run of each variant took (its compile), and how many graphs
