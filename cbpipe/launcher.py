@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -240,7 +241,7 @@ class Launcher:
         ``children`` fills as they start (the caller stops them whatever happens); returns
         what each reported with its readiness (its address, say).
         """
-        context = mp.get_context("spawn")
+        context = _child_context()
         pending = list(specs)
         waiting: dict[str, mp.connection.Connection] = {}
         ready: dict[str, str] = {}
@@ -347,7 +348,29 @@ def _listen(host: str, port: int) -> socket.socket:
     return listen(host, port)
 
 
+def _child_context() -> mp.context.BaseContext:
+    """Fork the children where that is safe, so that they start with what this process has
+    imported (``engine_children`` imports their modules): torch, transformers and triton
+    take seconds to import again, and the worker's imports come before all its other
+    start-up. Safe means Linux, no Python thread but this one (a fork copies no other
+    thread, whatever locks it held) and no CUDA here (a forked child cannot use a context
+    its parent made). The BLAS pool numpy starts at import is native and fork-aware: it
+    does not count. Spawn otherwise."""
+    import torch
+
+    if (
+        sys.platform.startswith("linux")
+        and threading.active_count() == 1
+        and not torch.cuda.is_initialized()
+    ):
+        return mp.get_context("fork")
+    log.debug("spawning the children: this process has threads or CUDA")
+    return mp.get_context("spawn")
+
+
 def _child(target, spec: RunSpec, ready, args) -> None:  # type: ignore[no-untyped-def]
+    # A forked child has the launcher's handler for SIGTERM, which would only set a flag.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Ctrl-C reaches the whole process group; the launcher alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A launcher killed outright stops and cleans up nothing: its children do, on a signal of
