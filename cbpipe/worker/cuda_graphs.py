@@ -1,18 +1,21 @@
-"""CUDA graphs of decode steps: one per (batch-size bucket, slot, sampling variant).
+"""CUDA graphs of decode steps: one per (batch-size bucket, sampling variant).
 
 A step whose sequences each have one query row launches the same kernels whatever its context
 lengths, block tables or carried tokens, as long as it reads all of them from device memory:
-the slot's device input buffer (which the H2D copy fills) and the last step's sampled ids. So
-the whole step body (carry-over, forward, sampling, writing the outputs) is captured once per
-bucket and replayed: a step of ``n`` sequences replays the smallest bucket of at least ``n``
-rows. One replay costs a few microseconds of host time instead of a launch per kernel, which
-for an 8B model at batch 32 was most of the step (docs/PERFORMANCE.md).
+one fixed device slot (the runner copies each step's inputs into it from its own slot's
+device buffers, and the outputs back) and the last step's sampled ids. So the whole step body
+(carry-over, forward, sampling, writing the outputs) is captured once per bucket and
+replayed: a step of ``n`` sequences replays the smallest bucket of at least ``n`` rows. One
+replay costs a few microseconds of host time instead of a launch per kernel, which for an 8B
+model at batch 32 was most of the step (docs/PERFORMANCE.md). One graph serves every slot:
+capturing one set per slot tripled the capture time at start-up for two copies of a few
+kilobytes a step.
 
 The variants are greedy and temperature-only sampling at every bucket, and the full sampler
 (``SamplingMode.FULL``: penalties, logit bias, min_p, top-k, top-p) at coarser buckets
 (``full_bucket_sizes``: powers of two from 8, and the largest), each with and without the top
 alternatives and with and without the sort that top-k and top-p need: four full variants at
-six of the 19 buckets of ``--max-num-seqs 256``, so 62 graphs per slot instead of 38.
+six of the 19 buckets of ``--max-num-seqs 256``, so 62 graphs instead of 38.
 Steps with prefill rows or prompt log-probabilities run eagerly.
 
 Without a CUDA stream (the CPU, in tests) nothing is captured: a "graph" is the body bound to
@@ -115,7 +118,7 @@ _MIN_FULL_BUCKET = 8
 def full_bucket_sizes(batch_sizes: Sequence[int]) -> list[int]:
     """The full sampler's buckets: the powers of two from 8 among ``batch_sizes``, and the
     largest. Padding a decode step costs little (it reads the weights either way), and each
-    bucket is four more graphs per slot."""
+    bucket is four more graphs."""
     largest = max(batch_sizes)
     powers = {b for b in batch_sizes if b >= _MIN_FULL_BUCKET and b & (b - 1) == 0}
     return sorted(powers | {largest})
@@ -151,7 +154,7 @@ def compiled_bucket_sizes(batch_sizes: Sequence[int]) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self) -> None:
-        self._graphs: dict[tuple[int, int, GraphVariant], Replayable] = {}
+        self._graphs: dict[tuple[int, GraphVariant], Replayable] = {}
         self.batch_sizes: list[int] = []
         self.full_batch_sizes: list[int] = []
         # The uncaptured run of each variant at ``first_batch``: a compile, if any (the first
@@ -169,18 +172,19 @@ class DecodeGraphs:
         body: Callable[[SlotT, int, GraphVariant], None],  # (slot, batch size, variant)
         *,
         batch_sizes: Sequence[int],
-        slots: Sequence[SlotT],
+        slot: SlotT,
         stream: torch.cuda.Stream | None,
         first_batch: int | None = None,
         full_sampling: bool = True,
     ) -> None:
-        """Capture ``body`` for every bucket, slot and variant, largest first to share one pool.
+        """Capture ``body`` on ``slot`` for every bucket and variant, largest first to share
+        one pool.
 
         Each is run once before capture, so lazy initialisation (Triton compilation, cuBLAS
         workspaces) happens outside the graph. The device input buffers hold zeros then
         (``num_seqs`` 0), so every row is padding and no cache block is touched.
-        ``first_batch``: run the body at this batch (every variant, the first slot) before any
-        other, uncaptured, for what sets itself up on the first call's sizes.
+        ``first_batch``: run the body at this batch (every variant) before any other,
+        uncaptured, for what sets itself up on the first call's sizes.
         ``full_sampling``: also the full sampler's variants (without: FULL steps run eagerly).
         """
         self.batch_sizes = sorted(batch_sizes)
@@ -193,19 +197,18 @@ class DecodeGraphs:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for variant in (GREEDY, RANDOM, *full_variants):
                     started = time.perf_counter()
-                    body(slots[0], first_batch, variant)
+                    body(slot, first_batch, variant)
                     if stream is not None:
                         stream.synchronize()
                     self.first_run_s[variant] = time.perf_counter() - started
         pool = torch.cuda.graph_pool_handle() if stream is not None else None
         for batch in sorted(variants, reverse=True):
             for variant in variants[batch]:
-                for index, slot in enumerate(slots):
-                    bound = functools.partial(body, slot, batch, variant)
-                    if stream is None:
-                        self._graphs[batch, index, variant] = _BoundBody(bound)
-                    else:
-                        self._graphs[batch, index, variant] = _capture(bound, stream, pool)
+                bound = functools.partial(body, slot, batch, variant)
+                if stream is None:
+                    self._graphs[batch, variant] = _BoundBody(bound)
+                else:
+                    self._graphs[batch, variant] = _capture(bound, stream, pool)
         if stream is not None:
             torch.cuda.synchronize()
 
@@ -228,7 +231,7 @@ class DecodeGraphs:
         index = bisect.bisect_left(sizes, step.num_seqs)  # the smallest that fits
         if index == len(sizes):
             return None
-        return self._graphs[sizes[index], step.slot, variant]
+        return self._graphs[sizes[index], variant]
 
 
 def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) -> Replayable:

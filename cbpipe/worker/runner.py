@@ -24,6 +24,7 @@ On the CPU the streams and events are absent and each call runs to completion.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -139,18 +140,25 @@ def _compile(fn: Callable) -> Callable:
 
 
 @dataclass
-class SlotBuffers:
-    """One slot's shared host regions, their device copies, and typed views of the copies."""
+class DeviceSlot:
+    """A slot's regions in device memory, and typed views of them: what a step's device work
+    reads and writes."""
+
+    device_input: torch.Tensor  # uint8, laid out as the shared slot's regions
+    device_extras: torch.Tensor
+    device_output: torch.Tensor
+    inputs: StepInputs[torch.Tensor]
+    extras: StepExtras[torch.Tensor]
+    outputs: StepOutputs[torch.Tensor]
+
+
+@dataclass
+class SlotBuffers(DeviceSlot):
+    """One slot's shared host regions and their device copies."""
 
     host_input: torch.Tensor  # uint8 views of the shared slot's regions
     host_extras: torch.Tensor
     host_output: torch.Tensor
-    device_input: torch.Tensor
-    device_extras: torch.Tensor
-    device_output: torch.Tensor
-    inputs: StepInputs[torch.Tensor]  # typed views of the device copies
-    extras: StepExtras[torch.Tensor]
-    outputs: StepOutputs[torch.Tensor]
     header: np.ndarray  # host header, read to check the slot holds the announced step
     # The host input region as numpy arrays: the worker reads a few per-sequence fields of
     # FULL and prompt log-probability steps there (``StepFacts``), before the H2D copy.
@@ -273,6 +281,9 @@ class StepRunner:
             graph_batch_sizes, compile_decode = (), False
         host = torch.frombuffer(segment, dtype=torch.uint8, count=layout.segment_nbytes)
         self.slots = [self._slot_buffers(host, k) for k in range(layout.num_slots)]
+        # What the decode graphs read and write, whichever slot a step came in: its inputs
+        # are copied in before a replay and the outputs back after it.
+        self.graph_slot = self._device_slot() if graph_batch_sizes else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self.compute_stream = torch.cuda.Stream(device) if self.cuda else None
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -411,11 +422,12 @@ class StepRunner:
             batch_sizes = compiled_bucket_sizes(batch_sizes)
         compiles_before = _dynamo_graphs()
         started = time.perf_counter()
+        assert self.graph_slot is not None
         with _without_duck_sizing():  # where the bodies compile
             self.graphs.capture(
                 self._graph_body,
                 batch_sizes=batch_sizes,
-                slots=self.slots,
+                slot=self.graph_slot,
                 stream=self.compute_stream,
                 first_batch=tuning_batch(batch_sizes) if self.compiled else None,
                 full_sampling=full_sampling,
@@ -444,26 +456,38 @@ class StepRunner:
     def _event(self, timing: bool = False) -> torch.cuda.Event | None:
         return torch.cuda.Event(enable_timing=timing) if self.cuda else None
 
-    def _slot_buffers(self, host: torch.Tensor, slot: int) -> SlotBuffers:
+    def _device_slot(self) -> DeviceSlot:
         layout = self.layout
-        base = layout.slot_offset(slot)
         regions = {}
         for name in ("inputs", "extras", "outputs"):
             start, end = layout.region(name)  # type: ignore[arg-type]
-            region = host[base + start : base + end]
             # Zeros, not garbage: graph replays read rows past a step's own (their ids must be
             # valid indices), before any step has written them.
-            regions[name] = (region, torch.zeros_like(region, device=self.device))
-        header = regions["inputs"][0][: layout.fields["header"].nbytes].numpy().view(np.int64)
-        host_inputs = numpy_views(host.numpy().data, layout, slot).inputs
+            regions[name] = torch.zeros(end - start, dtype=torch.uint8, device=self.device)
+        return DeviceSlot(
+            device_input=regions["inputs"],
+            device_extras=regions["extras"],
+            device_output=regions["outputs"],
+            inputs=_typed_views(regions["inputs"], layout, StepInputs, "inputs"),
+            extras=_typed_views(regions["extras"], layout, StepExtras, "extras"),
+            outputs=_typed_views(regions["outputs"], layout, StepOutputs, "outputs"),
+        )
+
+    def _slot_buffers(self, host: torch.Tensor, slot: int) -> SlotBuffers:
+        layout = self.layout
+        base = layout.slot_offset(slot)
+        hosts = {}
+        for name in ("inputs", "extras", "outputs"):
+            start, end = layout.region(name)  # type: ignore[arg-type]
+            hosts[name] = host[base + start : base + end]
+        device = self._device_slot()
         return SlotBuffers(
-            *(regions[name][0] for name in ("inputs", "extras", "outputs")),
-            *(regions[name][1] for name in ("inputs", "extras", "outputs")),
-            _typed_views(regions["inputs"][1], layout, StepInputs, "inputs"),
-            _typed_views(regions["extras"][1], layout, StepExtras, "extras"),
-            _typed_views(regions["outputs"][1], layout, StepOutputs, "outputs"),
-            header,
-            host_inputs,
+            **{f.name: getattr(device, f.name) for f in dataclasses.fields(DeviceSlot)},
+            host_input=hosts["inputs"],
+            host_extras=hosts["extras"],
+            host_output=hosts["outputs"],
+            header=hosts["inputs"][: layout.fields["header"].nbytes].numpy().view(np.int64),
+            host_inputs=numpy_views(host.numpy().data, layout, slot).inputs,
         )
 
     def recalibrate_clock(self) -> None:
@@ -510,6 +534,9 @@ class StepRunner:
             self._copy_extras(step, slot)
             h2d_done = self._record()
 
+        out_nbytes = self.layout.output_nbytes_used(
+            top_logprobs=step.top_logprobs, prompt_logprobs=step.prompt_logprobs
+        )
         compute_start, compute_end = self._event(timing=True), self._event(timing=True)
         with self._on(self.compute_stream):
             self._wait(h2d_done)
@@ -517,18 +544,18 @@ class StepRunner:
             self._record(compute_start)
             start_ns = time.perf_counter_ns()
             if graph is not None:
+                assert self.graph_slot is not None
                 if step.sampling is SamplingMode.FULL:
                     self._prepare_state(step, slot, facts.num_restarts)
+                self.graph_slot.device_input[:used].copy_(slot.device_input[:used])
                 graph.replay()
+                slot.device_output[:out_nbytes].copy_(self.graph_slot.device_output[:out_nbytes])
             else:
                 self._compute(step, slot, facts)
             end_ns = time.perf_counter_ns()
             self._record(compute_end)
             self._record(self.compute_done[k])
 
-        out_nbytes = self.layout.output_nbytes_used(
-            top_logprobs=step.top_logprobs, prompt_logprobs=step.prompt_logprobs
-        )
         with self._on(self.d2h_stream):
             self._wait(self.compute_done[k])
             if self.writes_outputs:
@@ -711,14 +738,14 @@ class StepRunner:
         out.prompt_top_ids.view(-1, k).index_copy_(0, kept, top_ids)
         out.prompt_top_logprobs.view(-1, k).index_copy_(0, kept, top_logprobs)
 
-    def _graph_body(self, slot: SlotBuffers, batch: int, variant: GraphVariant) -> None:
+    def _graph_body(self, slot: DeviceSlot, batch: int, variant: GraphVariant) -> None:
         if variant.sampling is SamplingMode.FULL:
             self._full_graph_body(slot, batch, variant)
         else:
             self._decode_graph_body(slot, batch, variant.sampling is SamplingMode.GREEDY)
 
     @torch.inference_mode()
-    def _decode_graph_body(self, slot: SlotBuffers, batch: int, all_greedy: bool) -> None:
+    def _decode_graph_body(self, slot: DeviceSlot, batch: int, all_greedy: bool) -> None:
         """A decode-only step padded to ``batch`` rows, with no host value that varies.
 
         How many rows are real and how wide the block tables are come from the slot header's
@@ -729,7 +756,7 @@ class StepRunner:
         self._sample(slot, logits, batch, all_greedy, sampler=self._decode_sample)
 
     @torch.inference_mode()
-    def _full_graph_body(self, slot: SlotBuffers, batch: int, variant: GraphVariant) -> None:
+    def _full_graph_body(self, slot: DeviceSlot, batch: int, variant: GraphVariant) -> None:
         """``_decode_graph_body`` with the full sampler: the rows' tokens are counted first
         (a sequence of one prompt row may be new), and padding rows use the spare state row.
         The resets and bias entries of the step ran before the replay (``_prepare_state``)."""
@@ -750,7 +777,7 @@ class StepRunner:
         )
 
     def _decode_forward(
-        self, slot: SlotBuffers, batch: int
+        self, slot: DeviceSlot, batch: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward of a padded decode-only step: logits ``[batch, vocab]``, which rows are
         real (``[batch]`` bool) and the rows' input ids after carry-over."""
@@ -800,7 +827,7 @@ class StepRunner:
 
     def _sample(
         self,
-        slot: SlotBuffers,
+        slot: DeviceSlot,
         logits: torch.Tensor,  # [num_seqs, vocab]
         num_seqs: int,
         all_greedy: bool,
@@ -822,7 +849,7 @@ class StepRunner:
 
     def _sample_full(
         self,
-        slot: SlotBuffers,
+        slot: DeviceSlot,
         logits: torch.Tensor,  # [num_seqs, vocab]
         num_seqs: int,
         rows: torch.Tensor,  # [num_seqs] int64 state rows (the spare row for padding)

@@ -56,28 +56,29 @@ def test_a_first_batch_runs_before_every_capture_in_every_variant() -> None:
     graphs.capture(
         lambda slot, batch, variant: calls.append((slot, batch, variant)),
         batch_sizes=[1, 2, 4, 8, 16, 32, 64],
-        slots=["a", "b"],
+        slot="graph slot",
         stream=None,
         first_batch=32,
     )
     # The CPU runs bodies at replay only.
-    assert calls == [("a", 32, v) for v in (GREEDY, RANDOM, *FULL_VARIANTS)]
+    assert calls == [("graph slot", 32, v) for v in (GREEDY, RANDOM, *FULL_VARIANTS)]
     assert graphs.full_batch_sizes == [8, 16, 32, 64]
-    assert len(graphs) == 7 * 2 * 2 + 4 * 4 * 2
+    assert len(graphs) == 7 * 2 + 4 * 4  # one set, whatever slot a step comes in
     graphs.find(_step()).replay()
-    assert calls[-1] == ("b", 32, GREEDY)
+    assert calls[-1] == ("graph slot", 32, GREEDY)
+    assert graphs.find(_step(slot=0)) is graphs.find(_step(slot=1))
     graphs.find(_step(sampling=SamplingMode.RANDOM, num_seqs=3, num_single_token_seqs=3)).replay()
-    assert calls[-1] == ("b", 4, RANDOM)
+    assert calls[-1] == ("graph slot", 4, RANDOM)
     full = _step(sampling=SamplingMode.FULL, num_seqs=3, num_single_token_seqs=3)
     graphs.find(full).replay()
-    assert calls[-1] == ("b", 8, GraphVariant(SamplingMode.FULL))
+    assert calls[-1] == ("graph slot", 8, GraphVariant(SamplingMode.FULL))
     graphs.find(dataclasses.replace(full, top_logprobs=True), truncation=True).replay()
-    assert calls[-1] == ("b", 8, GraphVariant(SamplingMode.FULL, True, True))
+    assert calls[-1] == ("graph slot", 8, GraphVariant(SamplingMode.FULL, True, True))
 
 
 def test_prefill_and_prompt_log_probability_steps_run_eagerly() -> None:
     graphs = DecodeGraphs()
-    graphs.capture(lambda *_: None, batch_sizes=[1, 2, 4], slots=["a", "b"], stream=None)
+    graphs.capture(lambda *_: None, batch_sizes=[1, 2, 4], slot="graph slot", stream=None)
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=2)) is not None
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=1)) is None
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=2, prompt_logprobs=True)) is None
