@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -113,6 +114,8 @@ class InProcessEngine:
     fuse_projections: bool = True
     steps_in_flight: int = 3  # in async mode, as the engine's default
     prefix_caching: bool = True  # as the engine's default
+    full_sampling_graphs: bool = True
+    before_sampler_compiles: Callable[[], None] | None = None
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
@@ -145,6 +148,8 @@ class InProcessEngine:
             prefill_kernel=_prefill_kernel(self.prefill_backend, self.device),
             graph_batch_sizes=bucket_sizes(self.max_num_seqs) if graphs else (),
             compile_decode=self.compile_decode,
+            full_sampling_graphs=self.full_sampling_graphs,
+            before_sampler_compiles=self.before_sampler_compiles,
         )
 
     def close(self) -> None:

@@ -130,7 +130,8 @@ def full_bucket_sizes(batch_sizes: Sequence[int]) -> list[int]:
 # the 8B rotary kernel of q got 256-row tiles that a step at batch 32 ran with 7/8 of every
 # tile masked. Tiles fitted to a middling batch waste little at larger ones (more programs,
 # all full), where tiles fitted to the largest waste most at the small batches that long
-# generations run at. (Element-wise tiles are no longer timed at all: ``runner._compile``.)
+# generations run at. (Element-wise tiles are no longer timed at all:
+# ``compiling._COMPILE_OPTIONS``.)
 _TUNING_BATCH = 32
 
 
@@ -176,6 +177,7 @@ class DecodeGraphs:
         stream: torch.cuda.Stream | None,
         first_batch: int | None = None,
         full_sampling: bool = True,
+        after_first_run: Callable[[], None] | None = None,
     ) -> None:
         """Capture ``body`` on ``slot`` for every bucket and variant, largest first to share
         one pool.
@@ -186,6 +188,8 @@ class DecodeGraphs:
         ``first_batch``: run the body at this batch (every variant) before any other,
         uncaptured, for what sets itself up on the first call's sizes.
         ``full_sampling``: also the full sampler's variants (without: FULL steps run eagerly).
+        ``after_first_run``: called after the first variant's run at ``first_batch`` (the
+        forward's compile), before the others'.
         """
         self.batch_sizes = sorted(batch_sizes)
         self.full_batch_sizes = full_bucket_sizes(batch_sizes) if full_sampling else []
@@ -201,6 +205,8 @@ class DecodeGraphs:
                     if stream is not None:
                         stream.synchronize()
                     self.first_run_s[variant] = time.perf_counter() - started
+                    if variant is GREEDY and after_first_run is not None:
+                        after_first_run()
         pool = torch.cuda.graph_pool_handle() if stream is not None else None
         for batch in sorted(variants, reverse=True):
             for variant in variants[batch]:

@@ -37,8 +37,14 @@ from cbpipe.protocol.messages import (
 )
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
-from cbpipe.worker.compile_cache import use_compile_cache
-from cbpipe.worker.cuda_graphs import bucket_sizes
+from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, ahead_variants, cache_is_cold
+from cbpipe.worker.compile_cache import CACHE_VARIABLES, use_compile_cache
+from cbpipe.worker.cuda_graphs import (
+    bucket_sizes,
+    capture_blocker,
+    compiled_bucket_sizes,
+    tuning_batch,
+)
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
     load_paged_model,
@@ -54,6 +60,10 @@ log = logging.getLogger("cbpipe.worker")
 
 _STOP = object()
 IDLE_MS = 100  # no step for this long: the worker is idle
+# Two: the five sampler variants' compiles in two shares finish, on an H200 host, about when
+# the worker has warmed up and compiled its forward; more would take the host's cores from
+# the worker's own compiles.
+COMPILE_AHEAD_PROCESSES = 2
 HEARTBEAT_PERIOD_S = 0.1
 
 
@@ -65,6 +75,7 @@ def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
     slot and reports the step done. All ranks report ready, and failures."""
     name = spec.worker_names[rank]
     setup_logging(spec.config.log_level, name)
+    ahead = _fork_compile_ahead(spec)  # before this process has threads or a CUDA context
     context = zmq.Context()
     steps = context.socket(zmq.SUB)
     steps.setsockopt(zmq.SUBSCRIBE, b"")  # now, so it has reached the scheduler by our ready
@@ -79,7 +90,7 @@ def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
     sender.start()
     runner = segment = None
     try:
-        runner, segment, hello = _load(spec, rank)
+        runner, segment, hello = _load(spec, rank, ahead)
         _keep_beating(spec.heartbeats(segment.buf).beater(name))
         outbox.put(hello)
         ready.send(("ready", f"{hello.model} on {hello.device}, {hello.num_blocks} KV blocks"))
@@ -97,6 +108,8 @@ def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
             ready.send(("failed", traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
+        if ahead is not None:
+            ahead.stop()  # a start-up that failed before it waited for them
         outbox.put(_STOP)
         sender.join(timeout=10)
         if runner is not None:
@@ -107,7 +120,33 @@ def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
         context.term()
 
 
-def _load(spec: RunSpec, rank: int) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
+def _fork_compile_ahead(spec: RunSpec) -> CompileAhead | None:
+    """The processes that compile the decode graphs' samplers while this one loads
+    (``compile_ahead.py``), where the decode path compiles on CUDA; one rank alone."""
+    worker = spec.config.worker
+    if not (worker.compile_decode and worker.cuda_graphs) or spec.rendezvous is not None:
+        return None
+    if spec.config.model.device == "cpu" or not torch.backends.cuda.is_built():
+        return None
+    return CompileAhead.fork(COMPILE_AHEAD_PROCESSES)
+
+
+def _start_compile_ahead(
+    ahead: CompileAhead, job: CompileJob, device: torch.device, runner_compiles: bool
+) -> None:
+    """Give ``ahead`` its job where it helps: a cold cache, a compiled decode path, and room
+    on the device for the processes with as much again to spare (the KV cache is sized
+    already: what is left is the worker's own working room). Else stop them."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    if runner_compiles and cache_is_cold() and free >= 2 * job.device_bytes(len(ahead)):
+        ahead.start(job)
+    else:
+        ahead.stop()
+
+
+def _load(
+    spec: RunSpec, rank: int, ahead: CompileAhead | None
+) -> tuple[StepRunner, AttachedSegment, WorkerReady]:
     phases = StartupPhases.since_process_start()
     config = spec.config
     rendezvous = spec.rendezvous
@@ -154,6 +193,21 @@ def _load(spec: RunSpec, rank: int) -> tuple[StepRunner, AttachedSegment, Worker
     if config.worker.cuda_graphs and device.type == "cuda" and decode_kernel is not None:
         max_graph_batch = config.worker.max_graph_batch or config.scheduler.max_num_seqs
         graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
+    compile_decode = config.worker.compile_decode and bool(graph_sizes)
+    if ahead is not None:
+        job = CompileJob(
+            variants=ahead_variants(full_sampling=True),
+            limits=spec.layout.limits,
+            num_slots=spec.layout.num_slots,
+            vocab=vocab,
+            logits_dtype=str(dtype).removeprefix("torch."),
+            device=str(device),
+            first_batch=tuning_batch(compiled_bucket_sizes(graph_sizes or [1])),
+            cache_env={v: os.environ[v] for v in CACHE_VARIABLES.values() if v in os.environ},
+            log_level=config.log_level,
+        )
+        runner_compiles = compile_decode and capture_blocker(model) is None
+        _start_compile_ahead(ahead, job, device, runner_compiles)
     runner = StepRunner(
         model,
         paged,
@@ -166,9 +220,10 @@ def _load(spec: RunSpec, rank: int) -> tuple[StepRunner, AttachedSegment, Worker
             config.worker.prefill_attention_backend, device
         ),
         graph_batch_sizes=graph_sizes,
-        compile_decode=config.worker.compile_decode and bool(graph_sizes),
+        compile_decode=compile_decode,
         sampling_state=state,
         writes_outputs=tp.rank == 0,
+        before_sampler_compiles=None if ahead is None else ahead.wait,
     )
     phases.done("warm-up and graphs" + (" (compile included)" if runner.compiled else ""))
     log.info("start-up: %s", phases.describe())

@@ -29,23 +29,18 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.fx.experimental import _config as symbolic_shapes_config
 from transformers import PreTrainedModel
 
 from cbpipe.protocol.messages import SamplingMode, Step, StepDone
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
     HEADER_FIELDS,
-    FieldLayout,
-    Region,
     SlotLayout,
-    StepExtras,
     StepInputs,
-    StepOutputs,
     numpy_views,
 )
 from cbpipe.worker.attention import (
@@ -58,6 +53,12 @@ from cbpipe.worker.attention import (
     StepAttention,
 )
 from cbpipe.worker.compiled_layers import compile_layers
+from cbpipe.worker.compiling import (
+    compile_decode_fn,
+    compile_phases,
+    dynamo_graphs,
+    without_duck_sizing,
+)
 from cbpipe.worker.cuda_graphs import (
     DecodeGraphs,
     GraphVariant,
@@ -66,90 +67,14 @@ from cbpipe.worker.cuda_graphs import (
     compiled_bucket_sizes,
     tuning_batch,
 )
-from cbpipe.worker.sampler import (
-    FullSample,
-    FullSamplingInputs,
-    SamplingInputs,
-    prompt_logprobs,
-    sample,
-    sample_full,
-)
+from cbpipe.worker.sampler import prompt_logprobs
 from cbpipe.worker.sampling_state import SamplingState
-
-Sampler = Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]]
-FullSampler = Callable[..., FullSample]
+from cbpipe.worker.step_sampling import DeviceSlot, StepSampling, device_slot
 
 log = logging.getLogger(__name__)
 
 _NUM_SEQS = HEADER_FIELDS.index("num_seqs")
 _WIDTH = HEADER_FIELDS.index("block_table_width")
-
-
-def _typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Region) -> Any:
-    """Typed tensors over the fields of one region held in a flat uint8 ``buffer``."""
-    region_start = layout.region(region)[0]
-
-    def tensor(f: FieldLayout) -> torch.Tensor:
-        start = f.offset - region_start
-        dtype = torch.from_numpy(np.empty(0, dtype=f.spec.dtype)).dtype
-        return buffer[start : start + f.nbytes].view(dtype)
-
-    return layout.views(cls, tensor)
-
-
-# Inductor picks each element-wise kernel's tiles by timing a handful of candidates on its
-# first launch; kernels of a few microseconds time too noisily for that to settle. On the
-# H200 the same 8B rotary kernel of q got 32 x 32 tiles (2.9 us) in one start-up and 128 x 32
-# (5.1 us) in the next, and before the cache writes left inductor's graph the keys' kernel
-# swung from 7 to 19 us a layer (session 6 in docs/PERFORMANCE.md). Without the timing every
-# start-up gets inductor's first candidate, the same each time; reductions are still timed.
-_COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
-
-
-def _without_duck_sizing() -> contextlib.AbstractContextManager[None]:
-    """Compile with every input size its own symbol.
-
-    By default dynamo gives sizes that are equal at the first call one symbol ("duck
-    sizing"), and a graph body's inputs are slices of fixed buffers: where the first batch
-    equalled the length of one of them (the slot header's four fields at a batch of 4, the
-    per-sequence rows at the largest bucket), the body compiled for that size only, and
-    every other bucket compiled it again.
-    """
-    return symbolic_shapes_config.patch(use_duck_shape=False)  # type: ignore[no-any-return]
-
-
-def _dynamo_graphs() -> int:
-    """How many graphs dynamo has compiled in this process."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _compile_phases(top: int = 10) -> str:
-    """Where dynamo and inductor have spent their time in this process, in seconds."""
-    from torch._dynamo.utils import compile_times
-
-    names, totals = compile_times(repr="csv", aggregate=True)
-    longest = sorted(zip(names, map(float, totals), strict=True), key=lambda p: -p[1])
-    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in longest[:top])
-
-
-def _compile(fn: Callable) -> Callable:
-    """``fn`` through ``torch.compile``: dynamic shapes, element-wise tiles not timed."""
-    return torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS)
-
-
-@dataclass
-class DeviceSlot:
-    """A slot's regions in device memory, and typed views of them: what a step's device work
-    reads and writes."""
-
-    device_input: torch.Tensor  # uint8, laid out as the shared slot's regions
-    device_extras: torch.Tensor
-    device_output: torch.Tensor
-    inputs: StepInputs[torch.Tensor]
-    extras: StepExtras[torch.Tensor]
-    outputs: StepOutputs[torch.Tensor]
 
 
 @dataclass
@@ -252,6 +177,7 @@ class StepRunner:
         sampling_state: SamplingState | None = None,
         full_sampling_graphs: bool = True,
         writes_outputs: bool = True,
+        before_sampler_compiles: Callable[[], None] | None = None,
     ) -> None:
         """``attention``: the model's layers as the load-time probe found them, and the binding
         through which each step's attention reaches them.
@@ -268,6 +194,8 @@ class StepRunner:
         ``writes_outputs``: copy each step's outputs into the shared slot. Only tensor-parallel
         rank 0 does; the other ranks compute the same outputs (they need the sampled ids for
         the carry-over) and keep them on the device.
+        ``before_sampler_compiles``: called once the compiled forward has run, before the
+        samplers' first runs (the worker waits there for the samplers compiled ahead).
         """
         self.writes_outputs = writes_outputs
         self.model = model
@@ -283,7 +211,7 @@ class StepRunner:
         self.slots = [self._slot_buffers(host, k) for k in range(layout.num_slots)]
         # What the decode graphs read and write, whichever slot a step came in: its inputs
         # are copied in before a replay and the outputs back after it.
-        self.graph_slot = self._device_slot() if graph_batch_sizes else None
+        self.graph_slot = device_slot(layout, device) if graph_batch_sizes else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self.compute_stream = torch.cuda.Stream(device) if self.cuda else None
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -296,11 +224,7 @@ class StepRunner:
         self.prefill_kernel = prefill_kernel
         # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
         self.compiled = compile_decode  # whether decode graphs run a compiled forward
-        self._decode_model = compile_layers(model, _compile) if compile_decode else model
-        # Sampling too: its reductions over the vocabulary fuse into a kernel or two. Only in
-        # graphs, whose variants (greedy or not, no top-k/top-p) all compile at capture.
-        self._decode_sample = _compile(sample) if compile_decode else sample
-        self._full_sample: FullSampler = _compile(sample_full) if compile_decode else sample_full
+        self._decode_model = compile_layers(model, compile_decode_fn) if compile_decode else model
         self.vocab = logits_width(model)
         if sampling_state is None:
             sampling_state = SamplingState.allocate(layout.limits.max_seqs, self.vocab, device)
@@ -308,14 +232,15 @@ class StepRunner:
             raise ValueError(
                 f"sampling state for {sampling_state.vocab} tokens, model of {self.vocab}"
             )
-        self.state = sampling_state
         max_seqs = layout.limits.max_seqs
-        # The sampled ids of the step launched last; the next step's carry-over reads them,
-        # ordered after the write by the compute stream.
-        self.last_sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        # Sampling too compiles in graphs (every variant at capture), never in eager steps.
+        self.sampling = StepSampling(sampling_state, max_seqs, device, compiled=compile_decode)
+        self.state = self.sampling.state
+        self.last_sampled = self.sampling.last_sampled
         self._row_ids = torch.arange(max_seqs, device=device)
         self._last_slot: int | None = None
         self.graphs = DecodeGraphs()
+        self._before_sampler_compiles = before_sampler_compiles
         if graph_batch_sizes and decode_kernel is None:
             raise ValueError("decode graphs need the Triton decode kernel")
         self._registered_ptr: int | None = None
@@ -420,10 +345,10 @@ class StepRunner:
             )
         if self.compiled:
             batch_sizes = compiled_bucket_sizes(batch_sizes)
-        compiles_before = _dynamo_graphs()
+        compiles_before = dynamo_graphs()
         started = time.perf_counter()
         assert self.graph_slot is not None
-        with _without_duck_sizing():  # where the bodies compile
+        with without_duck_sizing():  # where the bodies compile
             self.graphs.capture(
                 self._graph_body,
                 batch_sizes=batch_sizes,
@@ -431,6 +356,7 @@ class StepRunner:
                 stream=self.compute_stream,
                 first_batch=tuning_batch(batch_sizes) if self.compiled else None,
                 full_sampling=full_sampling,
+                after_first_run=self._before_sampler_compiles,
             )
         log.info(
             "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s",
@@ -441,7 +367,7 @@ class StepRunner:
             self._compile_summary(compiles_before) if self.compiled else "",
         )
         if self.compiled:
-            log.info("compile phases, longest first (they nest): %s", _compile_phases())
+            log.info("compile phases, longest first (they nest): %s", compile_phases())
 
     def _compile_summary(self, compiles_before: int) -> str:
         """How long the first run of each variant took (its compile), and how many graphs
@@ -450,28 +376,11 @@ class StepRunner:
         each = ", ".join(f"{v.label} {seconds:.1f}" for v, seconds in first_runs.items())
         return (
             f", compiling their forward and samplers {sum(first_runs.values()):.1f} s of it "
-            f"({each}), {_dynamo_graphs() - compiles_before} dynamo graphs"
+            f"({each}), {dynamo_graphs() - compiles_before} dynamo graphs"
         )
 
     def _event(self, timing: bool = False) -> torch.cuda.Event | None:
         return torch.cuda.Event(enable_timing=timing) if self.cuda else None
-
-    def _device_slot(self) -> DeviceSlot:
-        layout = self.layout
-        regions = {}
-        for name in ("inputs", "extras", "outputs"):
-            start, end = layout.region(name)  # type: ignore[arg-type]
-            # Zeros, not garbage: graph replays read rows past a step's own (their ids must be
-            # valid indices), before any step has written them.
-            regions[name] = torch.zeros(end - start, dtype=torch.uint8, device=self.device)
-        return DeviceSlot(
-            device_input=regions["inputs"],
-            device_extras=regions["extras"],
-            device_output=regions["outputs"],
-            inputs=_typed_views(regions["inputs"], layout, StepInputs, "inputs"),
-            extras=_typed_views(regions["extras"], layout, StepExtras, "extras"),
-            outputs=_typed_views(regions["outputs"], layout, StepOutputs, "outputs"),
-        )
 
     def _slot_buffers(self, host: torch.Tensor, slot: int) -> SlotBuffers:
         layout = self.layout
@@ -480,7 +389,7 @@ class StepRunner:
         for name in ("inputs", "extras", "outputs"):
             start, end = layout.region(name)  # type: ignore[arg-type]
             hosts[name] = host[base + start : base + end]
-        device = self._device_slot()
+        device = device_slot(layout, self.device)
         return SlotBuffers(
             **{f.name: getattr(device, f.name) for f in dataclasses.fields(DeviceSlot)},
             host_input=hosts["inputs"],
@@ -661,9 +570,9 @@ class StepRunner:
             rows = self._count_step_inputs(step, slot, facts, input_ids, seq_of_row)
         logits = self._eager_logits(step, slot, facts, input_ids, paged, seq_of_row)
         if rows is not None:
-            self._sample_full(slot, logits, s, rows, facts.truncation, step.top_logprobs)
+            self.sampling.sample_full(slot, logits, s, rows, facts.truncation, step.top_logprobs)
         else:
-            self._sample(slot, logits, s, step.sampling is SamplingMode.GREEDY)
+            self.sampling.sample(slot, logits, s, step.sampling is SamplingMode.GREEDY)
 
     def _count_step_inputs(
         self,
@@ -738,43 +647,17 @@ class StepRunner:
         out.prompt_top_ids.view(-1, k).index_copy_(0, kept, top_ids)
         out.prompt_top_logprobs.view(-1, k).index_copy_(0, kept, top_logprobs)
 
-    def _graph_body(self, slot: DeviceSlot, batch: int, variant: GraphVariant) -> None:
-        if variant.sampling is SamplingMode.FULL:
-            self._full_graph_body(slot, batch, variant)
-        else:
-            self._decode_graph_body(slot, batch, variant.sampling is SamplingMode.GREEDY)
-
     @torch.inference_mode()
-    def _decode_graph_body(self, slot: DeviceSlot, batch: int, all_greedy: bool) -> None:
+    def _graph_body(self, slot: DeviceSlot, batch: int, variant: GraphVariant) -> None:
         """A decode-only step padded to ``batch`` rows, with no host value that varies.
 
         How many rows are real and how wide the block tables are come from the slot header's
         device copy; padding rows write their keys to the cache's padding block and attend
-        nothing, and their samples land past the ``num_seqs`` rows anyone reads.
+        nothing, and their samples land past the ``num_seqs`` rows anyone reads. A FULL
+        step's resets and bias entries ran before the replay (``_prepare_state``).
         """
-        logits, _, _ = self._decode_forward(slot, batch)
-        self._sample(slot, logits, batch, all_greedy, sampler=self._decode_sample)
-
-    @torch.inference_mode()
-    def _full_graph_body(self, slot: DeviceSlot, batch: int, variant: GraphVariant) -> None:
-        """``_decode_graph_body`` with the full sampler: the rows' tokens are counted first
-        (a sequence of one prompt row may be new), and padding rows use the spare state row.
-        The resets and bias entries of the step ran before the replay (``_prepare_state``)."""
         logits, valid, input_ids = self._decode_forward(slot, batch)
-        inputs = slot.inputs
-        rows = torch.where(valid, inputs.request_row[:batch].long(), self.state.spare_row)
-        positions = inputs.positions[:batch]
-        self.state.count_inputs(rows, input_ids, positions, inputs.num_prompt_tokens[:batch])
-        self._sample_full(
-            slot,
-            logits,
-            batch,
-            rows,
-            variant.truncation,
-            variant.top_logprobs,
-            valid,
-            sampler=self._full_sample,
-        )
+        self.sampling.sample_decode_rows(slot, logits, batch, variant, valid, input_ids)
 
     def _decode_forward(
         self, slot: DeviceSlot, batch: int
@@ -824,76 +707,6 @@ class StepRunner:
                 logits_to_keep=logits_rows,
                 use_cache=False,
             ).logits[0]
-
-    def _sample(
-        self,
-        slot: DeviceSlot,
-        logits: torch.Tensor,  # [num_seqs, vocab]
-        num_seqs: int,
-        all_greedy: bool,
-        sampler: Sampler = sample,
-    ) -> None:
-        inputs = slot.inputs
-        ids, logprobs = sampler(
-            logits,
-            SamplingInputs(
-                temperature=inputs.temperature[:num_seqs],
-                seed=inputs.seed[:num_seqs],
-                output_index=inputs.output_index[:num_seqs],
-                all_greedy=all_greedy,
-            ),
-        )
-        slot.outputs.sampled_ids[:num_seqs].copy_(ids)
-        slot.outputs.sampled_logprobs[:num_seqs].copy_(logprobs)
-        self.last_sampled[:num_seqs].copy_(ids)
-
-    def _sample_full(
-        self,
-        slot: DeviceSlot,
-        logits: torch.Tensor,  # [num_seqs, vocab]
-        num_seqs: int,
-        rows: torch.Tensor,  # [num_seqs] int64 state rows (the spare row for padding)
-        truncation: bool,
-        top_logprobs: bool,
-        valid: torch.Tensor | None = None,  # [num_seqs] bool in a padded graph body
-        sampler: FullSampler = sample_full,
-    ) -> None:
-        """The full sampler, its outputs, and the sampled tokens counted in the state."""
-        inputs, n, state = slot.inputs, num_seqs, self.state
-        result = sampler(
-            logits,
-            state.bias,
-            state.output_counts,
-            state.seen,
-            FullSamplingInputs(
-                temperature=inputs.temperature[:n],
-                top_p=inputs.top_p[:n],
-                top_k=inputs.top_k[:n],
-                min_p=inputs.min_p[:n],
-                presence_penalty=inputs.presence_penalty[:n],
-                frequency_penalty=inputs.frequency_penalty[:n],
-                repetition_penalty=inputs.repetition_penalty[:n],
-                seed=inputs.seed[:n],
-                output_index=inputs.output_index[:n],
-                rows=rows,
-                truncation=truncation,
-                top_logprobs=top_logprobs,
-            ),
-        )
-        out = slot.outputs
-        out.sampled_ids[:n].copy_(result.ids)
-        out.sampled_logprobs[:n].copy_(result.logprobs)
-        if result.top_ids is not None and result.top_logprobs is not None:
-            k = MAX_TOP_LOGPROBS
-            out.top_ids[: n * k].view(n, k).copy_(result.top_ids)
-            out.top_logprobs[: n * k].view(n, k).copy_(result.top_logprobs)
-        self.last_sampled[:n].copy_(result.ids)
-        # A sequence samples an output when its rows reach the end of its tokens.
-        context_lens = inputs.context_lens[:n]
-        samples = context_lens == inputs.num_prompt_tokens[:n] + inputs.output_index[:n]
-        if valid is not None:
-            samples = samples & valid
-        state.count_sampled(rows, result.ids, context_lens, samples)
 
     # --- stream helpers that do nothing on the CPU ----------------------------------------
 

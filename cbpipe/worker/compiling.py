@@ -1,0 +1,54 @@
+"""How the decode path compiles: ``torch.compile``'s settings, and what compiling cost.
+
+The worker's decode graphs and the compile-ahead processes (``compile_ahead.py``) compile
+through these alone: a setting that differed between them would key their artifacts apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.fx.experimental import _config as symbolic_shapes_config
+
+# Inductor picks each element-wise kernel's tiles by timing a handful of candidates on its
+# first launch; kernels of a few microseconds time too noisily for that to settle. On the
+# H200 the same 8B rotary kernel of q got 32 x 32 tiles (2.9 us) in one start-up and 128 x 32
+# (5.1 us) in the next, and before the cache writes left inductor's graph the keys' kernel
+# swung from 7 to 19 us a layer (session 6 in docs/PERFORMANCE.md). Without the timing every
+# start-up gets inductor's first candidate, the same each time; reductions are still timed.
+_COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
+
+
+def compile_decode_fn(fn: Callable) -> Callable:
+    """``fn`` through ``torch.compile``: dynamic shapes, element-wise tiles not timed."""
+    return torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS)
+
+
+def without_duck_sizing() -> contextlib.AbstractContextManager[None]:
+    """Compile with every input size its own symbol.
+
+    By default dynamo gives sizes that are equal at the first call one symbol ("duck
+    sizing"), and a graph body's inputs are slices of fixed buffers: where the first batch
+    equalled the length of one of them (the slot header's four fields at a batch of 4, the
+    per-sequence rows at the largest bucket), the body compiled for that size only, and
+    every other bucket compiled it again.
+    """
+    return symbolic_shapes_config.patch(use_duck_shape=False)  # type: ignore[no-any-return]
+
+
+def dynamo_graphs() -> int:
+    """How many graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_phases(top: int = 10) -> str:
+    """Where dynamo and inductor have spent their time in this process, in seconds."""
+    from torch._dynamo.utils import compile_times
+
+    names, totals = compile_times(repr="csv", aggregate=True)
+    longest = sorted(zip(names, map(float, totals), strict=True), key=lambda p: -p[1])
+    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in longest[:top])

@@ -1,0 +1,200 @@
+"""A step's sampling on the device, and the device slot it reads and writes.
+
+``StepSampling`` holds the samplers (compiled for decode graphs when the decode path is),
+the full sampler's per-request state and the sampled ids the next step's carry-over reads.
+The runner's decode graph bodies and the compile-ahead processes (``compile_ahead.py``) run
+the same ``sample_decode_rows`` on the same kind of ``DeviceSlot``, so what those processes
+compile is what the worker's graphs meet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cbpipe.protocol.messages import SamplingMode
+from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
+from cbpipe.protocol.slots import (
+    FieldLayout,
+    Region,
+    SlotLayout,
+    StepExtras,
+    StepInputs,
+    StepOutputs,
+)
+from cbpipe.worker.compiling import compile_decode_fn
+from cbpipe.worker.cuda_graphs import GraphVariant
+from cbpipe.worker.sampler import (
+    FullSample,
+    FullSamplingInputs,
+    SamplingInputs,
+    sample,
+    sample_full,
+)
+from cbpipe.worker.sampling_state import SamplingState
+
+Sampler = Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]]
+FullSampler = Callable[..., FullSample]
+
+
+@dataclass
+class DeviceSlot:
+    """A slot's regions in device memory, and typed views of them: what a step's device work
+    reads and writes."""
+
+    device_input: torch.Tensor  # uint8, laid out as the shared slot's regions
+    device_extras: torch.Tensor
+    device_output: torch.Tensor
+    inputs: StepInputs[torch.Tensor]
+    extras: StepExtras[torch.Tensor]
+    outputs: StepOutputs[torch.Tensor]
+
+
+def device_slot(layout: SlotLayout, device: torch.device) -> DeviceSlot:
+    regions = {}
+    for name in ("inputs", "extras", "outputs"):
+        start, end = layout.region(name)  # type: ignore[arg-type]
+        # Zeros, not garbage: graph replays read rows past a step's own (their ids must be
+        # valid indices), before any step has written them.
+        regions[name] = torch.zeros(end - start, dtype=torch.uint8, device=device)
+    return DeviceSlot(
+        device_input=regions["inputs"],
+        device_extras=regions["extras"],
+        device_output=regions["outputs"],
+        inputs=typed_views(regions["inputs"], layout, StepInputs, "inputs"),
+        extras=typed_views(regions["extras"], layout, StepExtras, "extras"),
+        outputs=typed_views(regions["outputs"], layout, StepOutputs, "outputs"),
+    )
+
+
+def typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Region) -> Any:
+    """Typed tensors over the fields of one region held in a flat uint8 ``buffer``."""
+    region_start = layout.region(region)[0]
+
+    def tensor(f: FieldLayout) -> torch.Tensor:
+        start = f.offset - region_start
+        dtype = torch.from_numpy(np.empty(0, dtype=f.spec.dtype)).dtype
+        return buffer[start : start + f.nbytes].view(dtype)
+
+    return layout.views(cls, tensor)
+
+
+class StepSampling:
+    def __init__(
+        self, state: SamplingState, max_seqs: int, device: torch.device, *, compiled: bool
+    ) -> None:
+        """``compiled``: decode graphs sample through ``torch.compile``d samplers, whose
+        reductions over the vocabulary fuse into a kernel or two (eager steps never do)."""
+        self.state = state
+        # The sampled ids of the step launched last; the next step's carry-over reads them,
+        # ordered after the write by the compute stream.
+        self.last_sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self._graph_sample: Sampler = compile_decode_fn(sample) if compiled else sample
+        self._graph_sample_full: FullSampler = (
+            compile_decode_fn(sample_full) if compiled else sample_full
+        )
+
+    def sample_decode_rows(
+        self,
+        slot: DeviceSlot,
+        logits: torch.Tensor,  # [batch, vocab]
+        batch: int,
+        variant: GraphVariant,
+        valid: torch.Tensor,  # [batch] bool: the real rows
+        input_ids: torch.Tensor,  # [batch] after carry-over
+    ) -> None:
+        """The sampling half of a padded decode graph body. With the full sampler the rows'
+        tokens are counted first (a sequence of one prompt row may be new), and padding rows
+        use the spare state row."""
+        if variant.sampling is not SamplingMode.FULL:
+            all_greedy = variant.sampling is SamplingMode.GREEDY
+            self.sample(slot, logits, batch, all_greedy, sampler=self._graph_sample)
+            return
+        inputs = slot.inputs
+        rows = torch.where(valid, inputs.request_row[:batch].long(), self.state.spare_row)
+        positions = inputs.positions[:batch]
+        self.state.count_inputs(rows, input_ids, positions, inputs.num_prompt_tokens[:batch])
+        self.sample_full(
+            slot,
+            logits,
+            batch,
+            rows,
+            variant.truncation,
+            variant.top_logprobs,
+            valid,
+            sampler=self._graph_sample_full,
+        )
+
+    def sample(
+        self,
+        slot: DeviceSlot,
+        logits: torch.Tensor,  # [num_seqs, vocab]
+        num_seqs: int,
+        all_greedy: bool,
+        sampler: Sampler = sample,
+    ) -> None:
+        inputs = slot.inputs
+        ids, logprobs = sampler(
+            logits,
+            SamplingInputs(
+                temperature=inputs.temperature[:num_seqs],
+                seed=inputs.seed[:num_seqs],
+                output_index=inputs.output_index[:num_seqs],
+                all_greedy=all_greedy,
+            ),
+        )
+        slot.outputs.sampled_ids[:num_seqs].copy_(ids)
+        slot.outputs.sampled_logprobs[:num_seqs].copy_(logprobs)
+        self.last_sampled[:num_seqs].copy_(ids)
+
+    def sample_full(
+        self,
+        slot: DeviceSlot,
+        logits: torch.Tensor,  # [num_seqs, vocab]
+        num_seqs: int,
+        rows: torch.Tensor,  # [num_seqs] int64 state rows (the spare row for padding)
+        truncation: bool,
+        top_logprobs: bool,
+        valid: torch.Tensor | None = None,  # [num_seqs] bool in a padded graph body
+        sampler: FullSampler = sample_full,
+    ) -> None:
+        """The full sampler, its outputs, and the sampled tokens counted in the state."""
+        inputs, n, state = slot.inputs, num_seqs, self.state
+        result = sampler(
+            logits,
+            state.bias,
+            state.output_counts,
+            state.seen,
+            FullSamplingInputs(
+                temperature=inputs.temperature[:n],
+                top_p=inputs.top_p[:n],
+                top_k=inputs.top_k[:n],
+                min_p=inputs.min_p[:n],
+                presence_penalty=inputs.presence_penalty[:n],
+                frequency_penalty=inputs.frequency_penalty[:n],
+                repetition_penalty=inputs.repetition_penalty[:n],
+                seed=inputs.seed[:n],
+                output_index=inputs.output_index[:n],
+                rows=rows,
+                truncation=truncation,
+                top_logprobs=top_logprobs,
+            ),
+        )
+        out = slot.outputs
+        out.sampled_ids[:n].copy_(result.ids)
+        out.sampled_logprobs[:n].copy_(result.logprobs)
+        if result.top_ids is not None and result.top_logprobs is not None:
+            k = MAX_TOP_LOGPROBS
+            out.top_ids[: n * k].view(n, k).copy_(result.top_ids)
+            out.top_logprobs[: n * k].view(n, k).copy_(result.top_logprobs)
+        self.last_sampled[:n].copy_(result.ids)
+        # A sequence samples an output when its rows reach the end of its tokens.
+        context_lens = inputs.context_lens[:n]
+        samples = context_lens == inputs.num_prompt_tokens[:n] + inputs.output_index[:n]
+        if valid is not None:
+            samples = samples & valid
+        state.count_sampled(rows, result.ids, context_lens, samples)

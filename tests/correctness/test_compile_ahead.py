@@ -1,0 +1,95 @@
+"""The decode samplers compiled ahead in another process are what the worker's graphs load.
+
+On the CPU as on CUDA, inductor keys a compiled graph by its code, its inputs' shapes and
+strides, and its settings: if a compile-ahead process compiled anything the runner's own
+first run does not meet exactly, the runner would compile it again and the processes would
+only have cost time. So the runner's first runs must find the processes' graphs in the cache.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cbpipe.worker.compile_ahead import CompileAhead, shares
+from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks on Linux")
+
+
+def test_variants_are_dealt_in_turn_and_no_process_is_left_empty() -> None:
+    variants = (RANDOM, *FULL_VARIANTS)
+    assert shares(variants, 2) == [variants[0::2], variants[1::2]]
+    assert shares(variants[:1], 3) == [variants[:1]]
+
+
+def test_processes_told_there_is_nothing_to_do_end_at_once() -> None:
+    ahead = CompileAhead.fork(2)
+    assert ahead is not None and len(ahead) == 2
+    processes = [process for process, _ in ahead._processes]
+    ahead.stop()
+    assert [p.exitcode for p in processes] == [0, 0]
+
+
+_RUN = textwrap.dedent(
+    """
+    import json, os, sys
+    from torch._dynamo.utils import counters
+
+    from cbpipe.models import resolve_model
+    from cbpipe.protocol.slots import SlotLayout, SlotLimits
+    from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, cache_is_cold
+    from cbpipe.worker.cuda_graphs import RANDOM, bucket_sizes, compiled_bucket_sizes, tuning_batch
+    from tests.harness import InProcessEngine
+
+    ahead = CompileAhead.fork(1)  # first, while this process has one thread
+    assert ahead is not None
+    assert cache_is_cold()
+    max_num_seqs, max_batch_tokens, max_model_len, block_size = 6, 64, 1024, 16
+    limits = SlotLimits(max_batch_tokens, max_num_seqs, -(-max_model_len // block_size))
+    job = CompileJob(
+        variants=(RANDOM,),
+        limits=limits,
+        num_slots=3,  # as InProcessEngine lays its slots out
+        vocab=resolve_model("default").config.vocab_size,
+        logits_dtype="float32",
+        device="cpu",
+        first_batch=tuning_batch(compiled_bucket_sizes(bucket_sizes(max_num_seqs))),
+        cache_env={"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]},
+        log_level="warning",
+    )
+    ahead.start(job)
+    engine = InProcessEngine(
+        "default",
+        max_batch_tokens=max_batch_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        attention_backend="triton",
+        compile_decode=True,
+        full_sampling_graphs=False,
+        before_sampler_compiles=ahead.wait,
+    )
+    assert engine.layout == job.layout
+    print(json.dumps({k: v for k, v in counters["inductor"].items() if "fxgraph" in k}))
+    """
+)
+
+
+def test_the_runner_loads_the_sampler_a_process_compiled_ahead(tmp_path: Path) -> None:
+    """Greedy's first run compiles the forward (a miss: the cache is cold); the temperature
+    sampler's, after the runner waited for the process, is a hit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts.get("fxgraph_cache_hit", 0) >= 1, counts
