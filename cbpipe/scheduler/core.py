@@ -22,6 +22,11 @@ import numpy.typing as npt
 from cbpipe.scheduler.block_manager import BlockManager, BlockTables
 from cbpipe.scheduler.request import NEVER, Request, RequestStatus
 
+# A named tuple's generated ``__new__`` is Python code; ``tuple.__new__(cls, values)`` builds
+# the same object in C. The scheduler makes a ``ScheduledSeq`` and a ``RequestUpdate`` per
+# sequence per step with it.
+_new_tuple = tuple.__new__
+
 
 class ScheduledSeq(NamedTuple):
     """One request's share of a step: ``num_query_tokens`` rows starting at ``start``.
@@ -154,43 +159,69 @@ class Scheduler:
         """Plan the next step; any number of earlier steps may still be unresolved."""
         step = self._next_step
         self._next_step += 1
-        budget = self.max_batch_tokens
-        chosen: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         assigned: list[Request] = []
         admitted: list[Request] = []
+        # Rows of one query token first: the worker attends to them as one decode batch. A
+        # decode's place is known when it is chosen, so it is committed at once; the longer
+        # rows follow every decode, running requests' before admitted ones'.
+        seqs: list[ScheduledSeq] = []
+        chunks: list[tuple[Request, int]] = []
+        budget = self._schedule_running(step, seqs, chunks, preempted)
+        admissions: list[tuple[Request, int]] = []
+        self._admit_waiting(budget, admissions, assigned, admitted)
+        for req, num_new in admissions:
+            if num_new == 1:
+                seqs.append(self._commit(req, 1, step, len(seqs)))
+            else:
+                chunks.append((req, num_new))
+        for req, num_new in chunks:
+            seqs.append(self._commit(req, num_new, step, len(seqs)))
+        return StepPlan(step, seqs, preempted, assigned, admitted, self.tables.rows)
 
+    def _schedule_running(
+        self,
+        step: int,
+        decodes: list[ScheduledSeq],
+        chunks: list[tuple[Request, int]],
+        preempted: list[Request],
+    ) -> int:
+        """Choose among the running requests, in order, while the token budget lasts: commit
+        the decodes into ``decodes``, collect the longer rows in ``chunks``; returns the budget
+        left. It runs for every sequence of every step, so the tests of ``_can_schedule`` and
+        ``_reserve_blocks`` are inlined, on counters read once."""
+        budget = self.max_batch_tokens
+        block_size = self.blocks.block_size
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            num_to_compute = req.num_tokens_to_compute
-            if not self._can_schedule(req, num_to_compute):
+            num_tokens = req.num_known_tokens + req.num_pending_tokens
+            num_computed = req.num_computed_tokens
+            num_to_compute = num_tokens - num_computed
+            if num_to_compute <= 0:
                 continue
+            if num_to_compute == 1 and num_computed > 0 and num_tokens >= req.max_num_tokens:
+                continue  # decoding: it would only sample a token the length limits forbid
             if req.num_pending_tokens and req.pending_step != step - 1:
                 continue  # left out of the last step: its token is not there to carry over
             num_new = min(num_to_compute, budget)
-            if not self._reserve_blocks(req, num_new, preempted):
+            if num_computed + num_new > len(req.block_ids) * block_size and not (
+                self._reserve_blocks(req, num_new, preempted)
+            ):
                 continue  # req itself was preempted
-            # Inline, as it runs for every sequence of every step: a block is complete.
-            if req.num_known_tokens >= req.publish_at <= req.num_computed_tokens + num_new:
-                self._publish(req, req.num_computed_tokens + num_new)
-            chosen.append((req, num_new))
+            # Inlined check: a block is complete.
+            if req.num_known_tokens >= req.publish_at <= num_computed + num_new:
+                self._publish(req, num_computed + num_new)
+            # Preemption takes the newest running requests, never one chosen before this
+            # one, so a commit made here stands.
+            if num_new == 1:
+                decodes.append(self._commit(req, 1, step, len(decodes)))
+            else:
+                chunks.append((req, num_new))
             budget -= num_new
-
-        budget = self._admit_waiting(budget, chosen, assigned, admitted)
-
-        # Rows of one query token first: the worker attends to them as one decode batch.
-        chosen.sort(key=lambda item: item[1] != 1)
-        return StepPlan(
-            step,
-            [self._commit(req, n, step, i) for i, (req, n) in enumerate(chosen)],
-            preempted,
-            assigned,
-            admitted,
-            self.tables.rows,
-        )
+        return budget
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[RequestUpdate]:
         """Apply step ``plan``'s results (one row per seq, in plan order)."""
@@ -200,26 +231,24 @@ class Scheduler:
         if output.prompt_logprobs is not None:
             self._collect_prompt_logprobs(plan, output)
         for index, seq in enumerate(plan.seqs):
-            req = seq.req
             if not seq.samples:
                 continue
-            if req.is_finished:
+            req = seq.req
+            if req.status >= RequestStatus.FINISHED_STOPPED:
                 continue  # finished or cancelled while this step ran: a wasted row
-            req.num_pending_tokens -= 1
-            if req.num_pending_tokens == 0:
-                req.pending_seq_index = None
             token_id = ids[index]
-            req.append_output(token_id)
-            finished_as = req.stop_reason_after(token_id)
+            finished_as = req.accept_sampled(token_id)
             if finished_as is not None:
                 self.finish(req, finished_as)
             top = None
-            if req.params.logprobs and output.top_ids is not None:
+            if output.top_ids is not None and req.params.logprobs:
                 assert output.top_logprobs is not None
                 k = req.params.logprobs
                 top = (output.top_ids[index, :k], output.top_logprobs[index, :k])
             updates.append(
-                RequestUpdate(req, token_id, logprobs[index], top, finished_as is not None)
+                _new_tuple(
+                    RequestUpdate, (req, token_id, logprobs[index], top, finished_as is not None)
+                )
             )
         return updates
 
@@ -317,9 +346,9 @@ class Scheduler:
             self.waiting.popleft()
         return self.waiting[0] if self.waiting else None
 
-    def _can_schedule(self, req: Request, num_to_compute: int | None = None) -> bool:
-        if num_to_compute is None:
-            num_to_compute = req.num_tokens_to_compute
+    def _can_schedule(self, req: Request) -> bool:
+        """Whether ``req`` has tokens to compute (inlined in ``schedule``)."""
+        num_to_compute = req.num_tokens_to_compute
         if num_to_compute <= 0:
             return False
         # Every token is computed but the last; computing it would only sample a token that
@@ -357,24 +386,27 @@ class Scheduler:
 
     def _commit(self, req: Request, num_new: int, step: int, seq_index: int) -> ScheduledSeq:
         start = req.num_computed_tokens
+        num_pending = req.num_pending_tokens
         carry_src = None
-        if req.num_pending_tokens:
+        if num_pending:
             # Only a decode row can need a pending token: the newest, from the previous step
             # (``schedule`` leaves out a request whose token is older).
-            assert num_new == 1 and start == req.num_tokens - 1
+            assert num_new == 1 and start == req.num_known_tokens + num_pending - 1
             carry_src = req.pending_seq_index
-        req.num_computed_tokens += num_new
-        samples = req.num_computed_tokens == req.num_tokens
-        output_index = req.num_outputs_planned
+        req.num_computed_tokens = start + num_new
+        output_index = len(req.output_token_ids) + num_pending  # outputs known or sampling
+        samples = start + num_new == req.num_known_tokens + num_pending
         if samples:
-            req.num_pending_tokens += 1
+            req.num_pending_tokens = num_pending + 1
             req.pending_seq_index = seq_index
             req.pending_step = step
         buffer = req.prompt_logprobs
         prompt_logprobs = (
             buffer is not None and not buffer.complete and start < req.num_prompt_tokens - 1
         )
-        return ScheduledSeq(req, start, num_new, samples, carry_src, output_index, prompt_logprobs)
+        return _new_tuple(
+            ScheduledSeq, (req, start, num_new, samples, carry_src, output_index, prompt_logprobs)
+        )
 
     def _collect_prompt_logprobs(self, plan: StepPlan, output: StepOutput) -> None:
         """Each prompt row's log-probability of the prompt token after it (the last prompt
