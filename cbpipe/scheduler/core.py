@@ -26,6 +26,10 @@ from cbpipe.scheduler.request import NEVER, Request, RequestStatus
 # the same object in C. The scheduler makes a ``ScheduledSeq`` and a ``RequestUpdate`` per
 # sequence per step with it.
 _new_tuple = tuple.__new__
+# Looking a member up on its enum class costs several times a module constant's lookup; the
+# per-sequence loops compare against these.
+_RUNNING = RequestStatus.RUNNING
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
 
 
 class ScheduledSeq(NamedTuple):
@@ -195,16 +199,17 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not _RUNNING:
                 continue
-            num_tokens = req.num_known_tokens + req.num_pending_tokens
+            num_pending = req.num_pending_tokens
+            num_tokens = req.num_known_tokens + num_pending
             num_computed = req.num_computed_tokens
             num_to_compute = num_tokens - num_computed
             if num_to_compute <= 0:
                 continue
             if num_to_compute == 1 and num_computed > 0 and num_tokens >= req.max_num_tokens:
                 continue  # decoding: it would only sample a token the length limits forbid
-            if req.num_pending_tokens and req.pending_step != step - 1:
+            if num_pending and req.pending_step != step - 1:
                 continue  # left out of the last step: its token is not there to carry over
             num_new = min(num_to_compute, budget)
             if num_computed + num_new > len(req.block_ids) * block_size and not (
@@ -214,13 +219,33 @@ class Scheduler:
             # Inlined check: a block is complete.
             if req.num_known_tokens >= req.publish_at <= num_computed + num_new:
                 self._publish(req, num_computed + num_new)
-            # Preemption takes the newest running requests, never one chosen before this
-            # one, so a commit made here stands.
-            if num_new == 1:
-                decodes.append(self._commit(req, 1, step, len(decodes)))
-            else:
-                chunks.append((req, num_new))
             budget -= num_new
+            if num_new != 1:
+                chunks.append((req, num_new))
+                continue
+            # ``_commit`` of a decode, inlined on the counters read above. Preemption takes
+            # the newest running requests, never one chosen before this one, so a commit
+            # made here stands.
+            carry_src = req.pending_seq_index if num_pending else None
+            req.num_computed_tokens = num_computed + 1
+            samples = num_computed + 1 == num_tokens  # else a prompt chunk of one row
+            if samples:
+                req.num_pending_tokens = num_pending + 1
+                req.pending_seq_index = len(decodes)
+                req.pending_step = step
+            buffer = req.prompt_logprobs
+            prompt_logprobs = (
+                buffer is not None
+                and not buffer.complete
+                and num_computed < req.num_prompt_tokens - 1
+            )
+            output_index = len(req.output_token_ids) + num_pending
+            decodes.append(
+                _new_tuple(
+                    ScheduledSeq,
+                    (req, num_computed, 1, samples, carry_src, output_index, prompt_logprobs),
+                )
+            )
         return budget
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[RequestUpdate]:
@@ -230,21 +255,22 @@ class Scheduler:
         logprobs = output.sampled_logprobs.tolist()
         if output.prompt_logprobs is not None:
             self._collect_prompt_logprobs(plan, output)
+        top_ids, top_logprobs = output.top_ids, output.top_logprobs
         for index, seq in enumerate(plan.seqs):
             if not seq.samples:
                 continue
             req = seq.req
-            if req.status >= RequestStatus.FINISHED_STOPPED:
+            if req.status >= _FIRST_FINISHED:
                 continue  # finished or cancelled while this step ran: a wasted row
             token_id = ids[index]
             finished_as = req.accept_sampled(token_id)
             if finished_as is not None:
                 self.finish(req, finished_as)
             top = None
-            if output.top_ids is not None and req.params.logprobs:
-                assert output.top_logprobs is not None
+            if top_ids is not None and req.params.logprobs:
+                assert top_logprobs is not None
                 k = req.params.logprobs
-                top = (output.top_ids[index, :k], output.top_logprobs[index, :k])
+                top = (top_ids[index, :k], top_logprobs[index, :k])
             updates.append(
                 _new_tuple(
                     RequestUpdate, (req, token_id, logprobs[index], top, finished_as is not None)

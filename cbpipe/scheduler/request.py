@@ -194,10 +194,6 @@ class Request:
             self.pending_seq_index = None
         self.output_token_ids.append(token_id)
         self.num_known_tokens += 1
-        return self.stop_reason_after(token_id)
-
-    def stop_reason_after(self, token_id: int) -> RequestStatus | None:
-        """The finished state that appending ``token_id`` (already appended) leads to."""
         # Ending tokens are banned on the device until min_tokens outputs exist.
         if token_id in self.end_token_ids and len(self.output_token_ids) > self.params.min_tokens:
             self.stop_reason = token_id
