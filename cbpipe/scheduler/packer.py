@@ -25,7 +25,6 @@ from cbpipe.scheduler.request import Request
 _MODE_RANK = {SamplingMode.GREEDY: 0, SamplingMode.RANDOM: 1, SamplingMode.FULL: 2}
 _MODES = sorted(_MODE_RANK, key=_MODE_RANK.__getitem__)
 _table_row = attrgetter("table_row")
-_block_ids = attrgetter("block_ids")
 
 
 class SeqColumns(NamedTuple):
@@ -147,19 +146,25 @@ class BatchPacker:
         limits = self.layout.limits
         if num_seqs > limits.max_seqs or num_tokens > limits.max_tokens:
             raise ValueError(f"step {plan.step} exceeds the slot's capacity")
-        carries = columns.carry_srcs.count(None) < num_seqs
+        num_carried = num_seqs - columns.carry_srcs.count(None)  # decodes only
+        carries = num_carried > 0
         if carries and previous_slot is None:
             raise ValueError(f"step {plan.step} carries tokens over but no step came before it")
         for req in plan.assigned:
             self.table.write(req)
 
         rows = np.fromiter(map(_table_row, columns.reqs), dtype=np.intp, count=num_seqs)
+        starts = np.array(columns.starts, np.int64)
         num_decodes = lengths.count(1)  # they come first
-        self._pack_decode_rows(inputs, columns, num_decodes, rows, plan.block_tables)
+        self._pack_decode_rows(
+            inputs, columns, starts[:num_decodes], rows, plan.block_tables, num_carried
+        )
         row = num_decodes
         for index in range(num_decodes, num_seqs):
             row = self._pack_chunk_rows(views, seqs[index], row)
-        width = self._pack_sequences(inputs, columns, rows, plan.block_tables, plan.assigned)
+        width = self._pack_sequences(
+            inputs, columns, starts, rows, plan.block_tables, plan.assigned
+        )
         mode = _MODES[int(self.table.mode_rank[rows].max())]
         num_bias_entries = 0
         if mode is SamplingMode.FULL and self.table.bias_state[rows].any():
@@ -204,24 +209,27 @@ class BatchPacker:
         self,
         inputs: StepInputs[np.ndarray],
         columns: SeqColumns,
-        n: int,
+        starts: np.ndarray,
         rows: np.ndarray,
         block_tables: np.ndarray,
+        num_carried: int,
     ) -> None:
-        """The rows of one token of the first ``n`` sequences, seq i on row i."""
+        """The rows of one token (the first ``len(starts)`` sequences), seq i on row i;
+        ``num_carried`` of them carry their token over."""
+        n = len(starts)
         bs = self.block_size
         positions = inputs.positions[:n]
-        positions[:] = columns.starts[:n]
+        positions[:] = starts
         # Each row's block, from its request's block-table row (which holds its block ids).
         blocks = block_tables[rows[:n], positions // bs]
         np.add(blocks * bs, positions % bs, out=inputs.slot_mapping[:n])
         carry_srcs = columns.carry_srcs[:n]
-        carried = [src is not None for src in carry_srcs]
-        inputs.carry_mask[:n] = carried
-        if all(carried):  # every decode of an asynchronous step
+        if num_carried == n:  # every decode of an asynchronous step
+            inputs.carry_mask[:n] = True
             inputs.carry_src[:n] = carry_srcs
             inputs.input_ids[:n] = 0  # ignored: the device takes the previous step's ids
             return
+        inputs.carry_mask[:n] = [src is not None for src in carry_srcs]
         inputs.carry_src[:n] = [src or 0 for src in carry_srcs]  # 0: a valid unused index
         # A carried row's id is ignored: the device takes the previous step's sampled id.
         inputs.input_ids[:n] = [
@@ -267,21 +275,23 @@ class BatchPacker:
         self,
         inputs: StepInputs[np.ndarray],
         columns: SeqColumns,
+        starts: np.ndarray,
         rows: np.ndarray,
         block_tables: np.ndarray,
         assigned: list[Request],
     ) -> int:
         """Per-sequence fields and block tables; returns the block-table row width."""
         n = len(rows)
-        lengths = columns.num_query_tokens
+        lengths = np.array(columns.num_query_tokens, np.int64)
         inputs.query_start[0] = 0
         np.cumsum(lengths, out=inputs.query_start[1 : n + 1])
-        context_lens = inputs.context_lens[:n]
-        context_lens[:] = columns.starts
-        context_lens += lengths
+        context_lens = np.add(starts, lengths, out=inputs.context_lens[:n])
         inputs.output_index[:n] = columns.output_indices
         inputs.request_row[:n] = rows
-        inputs.has_prompt_logprobs[:n] = columns.prompt_logprobs
+        if any(columns.prompt_logprobs):
+            inputs.has_prompt_logprobs[:n] = columns.prompt_logprobs
+        else:
+            inputs.has_prompt_logprobs[:n] = False
         if assigned:
             taken = np.fromiter((req.table_row for req in assigned), np.intp, len(assigned))
             inputs.resets_row[:n] = np.isin(rows, taken)
@@ -289,7 +299,8 @@ class BatchPacker:
             inputs.resets_row[:n] = False
         for name in _TABLE_FIELDS:
             getattr(inputs, name)[:n] = getattr(self.table, name)[rows]
-        width = max(map(len, map(_block_ids, columns.reqs)))
+        # Each sequence's table holds the blocks of its context, no more.
+        width = -(-int(context_lens.max()) // self.block_size)
         # Columns past a sequence's own blocks hold stale ids; context_lens keeps them unread.
         inputs.block_tables[: n * width].reshape(n, width)[:] = block_tables[rows, :width]
         return width
