@@ -211,7 +211,7 @@ class Scheduler:
                 continue  # decoding: it would only sample a token the length limits forbid
             if num_pending and req.pending_step != step - 1:
                 continue  # left out of the last step: its token is not there to carry over
-            num_new = min(num_to_compute, budget)
+            num_new = num_to_compute if num_to_compute <= budget else budget
             if num_computed + num_new > len(req.block_ids) * block_size and not (
                 self._reserve_blocks(req, num_new, preempted)
             ):
@@ -353,7 +353,8 @@ class Scheduler:
             return
         full = min(num_computed, req.num_known_tokens) // bs
         if full > req.num_published_blocks:
-            hashes = req.hashes_of_full_blocks(bs, full * bs)
+            req.hash_full_blocks(bs, full * bs)
+            hashes = req.block_hashes  # not a copy: a decode publishes one block of many
             for index in range(req.num_published_blocks, full):
                 self.blocks.publish(req.block_ids[index], hashes[index])
             req.num_published_blocks = full

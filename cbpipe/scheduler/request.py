@@ -172,6 +172,11 @@ class Request:
 
     def hashes_of_full_blocks(self, block_size: int, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks among its first ``num_tokens`` known tokens."""
+        return self.block_hashes[: self.hash_full_blocks(block_size, num_tokens)]
+
+    def hash_full_blocks(self, block_size: int, num_tokens: int) -> int:
+        """Extend ``block_hashes`` over the full blocks among its first ``num_tokens`` known
+        tokens; returns how many blocks that is (``block_hashes`` may hold more)."""
         count = min(num_tokens, self.num_known_tokens) // block_size
         done = len(self.block_hashes)
         if done < count:
@@ -179,7 +184,7 @@ class Request:
             self.block_hashes += chain_hashes(
                 self.block_hashes[-1] if done else None, tokens, block_size, self.params.cache_salt
             )
-        return self.block_hashes[:count]
+        return count
 
     @property
     def banned_until_min_tokens(self) -> tuple[int, ...]:
