@@ -374,7 +374,7 @@ class Scheduler:
         return self.waiting[0] if self.waiting else None
 
     def _can_schedule(self, req: Request) -> bool:
-        """Whether ``req`` has tokens to compute (inlined in ``schedule``)."""
+        """Whether ``req`` has tokens to compute (inlined in ``_schedule_running``)."""
         num_to_compute = req.num_tokens_to_compute
         if num_to_compute <= 0:
             return False
@@ -412,6 +412,8 @@ class Scheduler:
         self.num_waiting += 1
 
     def _commit(self, req: Request, num_new: int, step: int, seq_index: int) -> ScheduledSeq:
+        """Count ``num_new`` of ``req``'s tokens as computed by ``step``, where it is sequence
+        ``seq_index``. ``_schedule_running`` has this inlined for decodes: change both."""
         start = req.num_computed_tokens
         num_pending = req.num_pending_tokens
         carry_src = None

@@ -231,6 +231,10 @@ def test_packed_slots_match_a_row_by_row_reference_over_a_random_workload(
         assert step.block_table_width == expected["header"][3]
         carries = any(s.carry_src is not None for s in plan.seqs)
         assert step.carry_from_slot == (previous if carries else None)
+        for seq in plan.seqs:  # a carried row reads the sample of its request's last row
+            if seq.carry_src is not None:
+                source = in_flight[-1][0].seqs[seq.carry_src]
+                assert source.req is seq.req and source.samples
         assert step.top_logprobs == any(bool(s.req.params.logprobs) for s in plan.seqs)
         carried += carries
         preempted += len(plan.preempted)
