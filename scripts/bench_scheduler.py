@@ -1,8 +1,11 @@
-"""The scheduler's CPU time per step, without a worker: plan, pack and apply, as the loop does.
+"""The scheduler's CPU time per step, without a worker: plan, pack, apply and publish, as the
+loop does.
 
 The scheduler core and the packer run in the engine's asynchronous call order (step N+1 is
 planned and packed before step N's sampled ids are applied) over a mixed workload; the
-sampled ids are whatever the output region holds, since only the bookkeeping is timed.
+sampled ids are whatever the output region holds, since only the bookkeeping is timed. Jobs
+come in through the frontend, and each step's updates are published through it to a socket
+that encodes every frame and drops it (``--num-clients`` clients, jobs dealt round robin).
 Times are process CPU time, so a busy machine disturbs them less than wall time would.
 
     python scripts/bench_scheduler.py --num-requests 1024 --max-num-seqs 256
@@ -19,13 +22,28 @@ import time
 from collections import defaultdict
 
 from cbpipe.collector import CollectorPacing
-from cbpipe.protocol.messages import Step
+from cbpipe.protocol.messages import Step, Submit, encode
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.scheduler.block_manager import BlockManager
-from cbpipe.scheduler.core import Scheduler, StepPlan
+from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
+from cbpipe.scheduler.frontend import Frontend, ModelInfo
 from cbpipe.scheduler.packer import BatchPacker
-from cbpipe.scheduler.request import Request
+
+PARTS = ("schedule", "pack", "update", "publish")
+
+
+class DiscardingSocket:
+    """The frontend's client socket: the frames are built and encoded, then dropped."""
+
+    def __init__(self, inbox: list[list[bytes]]) -> None:
+        self.inbox = inbox
+
+    def recv_multipart(self, copy: bool = True) -> list[bytes]:
+        return self.inbox.pop()
+
+    def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
+        pass
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +62,7 @@ def parse_args() -> argparse.Namespace:
         help="the engine's default; prompts share --shared-prefix tokens",
     )
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument("--num-clients", type=int, default=1, help="clients the jobs come from")
     p.add_argument(
         "--gc",
         choices=("paced", "default"),
@@ -69,14 +88,28 @@ def main() -> None:
         blocks, max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens
     )
     packer = BatchPacker(segment, layout, args.block_size)
+    inbox: list[list[bytes]] = []
+    frontend = Frontend(
+        DiscardingSocket(inbox),  # type: ignore[arg-type]
+        scheduler,
+        ModelInfo("bench", 32000, max_len, frozenset()),
+        tokenizer=None,
+        max_waiting_requests=args.num_requests,
+    )
     rng = random.Random(args.seed)
     shared = [rng.randrange(32000) for _ in range(args.shared_prefix)]
     for i in range(args.num_requests):
         prompt = shared + [rng.randrange(32000) for _ in range(rng.randint(*args.prompt_len))]
-        params = SamplingParams(max_new_tokens=rng.randint(*args.output_len), ignore_eos=True)
-        scheduler.add_request(Request(i, prompt, params, i, max_len, frozenset()))
+        params = SamplingParams(
+            max_new_tokens=rng.randint(*args.output_len), ignore_eos=True, seed=i
+        )
+        client = f"client-{i % args.num_clients}".encode()
+        inbox.append([client, encode(Submit(i, prompt, params))])
+        frontend.receive()
 
     cpu_ms: dict[str, list[float]] = {"decode-only": [], "with prefill": []}
+    # Each part's CPU time in full-batch steps, by kind of step.
+    part_ms: dict[tuple[str, str], list[float]] = defaultdict(list)
     # Full-batch steps by step number, and the blocks cached at each.
     full_batch_ms: dict[tuple[str, int], list[float]] = defaultdict(list)
     cached_blocks: list[int] = []
@@ -95,11 +128,11 @@ def main() -> None:
     gc.callbacks.append(on_collection)
     in_flight: list[tuple[StepPlan, int, Step]] = []
 
-    def apply_oldest() -> float:
+    def apply_oldest() -> tuple[float, list[RequestUpdate]]:
         plan, slot, packed = in_flight.pop(0)
         start = time.process_time()
-        scheduler.update(plan, packer.read_output(slot, packed))
-        return time.process_time() - start
+        updates = scheduler.update(plan, packer.read_output(slot, packed))
+        return time.process_time() - start, updates
 
     started = time.perf_counter()
     step = 0
@@ -107,14 +140,22 @@ def main() -> None:
         start = time.process_time()
         plan = scheduler.schedule()
         if not plan.seqs:  # everything left waits on the step in flight
-            apply_oldest()
+            frontend.publish(apply_oldest()[1])
             continue
+        planned = time.process_time()
         previous = in_flight[-1][1] if in_flight else None
         packed = packer.pack(plan, step % 2, previous)
-        elapsed = time.process_time() - start
+        packed_at = time.process_time()
+        parts = {"schedule": planned - start, "pack": packed_at - planned}
         in_flight.append((plan, step % 2, packed))
+        updates: list[RequestUpdate] = []
         if len(in_flight) == 2:
-            elapsed += apply_oldest()
+            parts["update"], updates = apply_oldest()
+        elapsed = sum(parts.values())
+        # The loop streams a step's results after the next step is sent, as here.
+        start = time.process_time()
+        frontend.publish(updates)
+        parts["publish"] = time.process_time() - start
         if args.gc == "paced":
             collector.between_steps()
         kind = "decode-only" if packed.num_single_token_seqs == packed.num_seqs else "with prefill"
@@ -122,9 +163,11 @@ def main() -> None:
         if packed.num_seqs == args.max_num_seqs:  # a full batch: comparable steps
             full_batch_ms[kind, step].append(elapsed * 1e3)
             cached_blocks.append(blocks.num_cached_blocks)
+            for part, seconds in parts.items():
+                part_ms[kind, part].append(seconds * 1e3)
         step += 1
     while in_flight:
-        apply_oldest()
+        frontend.publish(apply_oldest()[1])
 
     gc.callbacks.remove(on_collection)
     collector.stop()
@@ -156,6 +199,14 @@ def main() -> None:
             print(f"{kind:>13}: {len(values):5d} steps, CPU per step (plan + pack + apply) "
                   f"median {statistics.median(values):.3f} ms, p90 {p90:.3f} ms, "
                   f"p99 {p99:.3f} ms, max {values[-1]:.3f} ms")  # fmt: skip
+    for kind in cpu_ms:
+        medians = [
+            f"{part} {statistics.median(part_ms[kind, part]):.3f}"
+            for part in PARTS
+            if part_ms[kind, part]
+        ]
+        if medians:
+            print(f"{kind:>13}: full-batch steps, median CPU ms per part: " + ", ".join(medians))
     for generation, values in pauses_ms.items():
         longest = f", longest {max(values):.3f} ms" if values else ""
         print(f"  generation {generation} collections: {len(values)}{longest}")

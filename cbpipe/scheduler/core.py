@@ -22,6 +22,15 @@ import numpy.typing as npt
 from cbpipe.scheduler.block_manager import BlockManager, BlockTables
 from cbpipe.scheduler.request import NEVER, Request, RequestStatus
 
+# A named tuple's generated ``__new__`` is Python code; ``tuple.__new__(cls, values)`` builds
+# the same object in C. The scheduler makes a ``ScheduledSeq`` and a ``RequestUpdate`` per
+# sequence per step with it.
+_new_tuple = tuple.__new__
+# Looking a member up on its enum class costs several times a module constant's lookup; the
+# per-sequence loops compare against these.
+_RUNNING = RequestStatus.RUNNING
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
+
 
 class ScheduledSeq(NamedTuple):
     """One request's share of a step: ``num_query_tokens`` rows starting at ``start``.
@@ -154,43 +163,90 @@ class Scheduler:
         """Plan the next step; any number of earlier steps may still be unresolved."""
         step = self._next_step
         self._next_step += 1
-        budget = self.max_batch_tokens
-        chosen: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         assigned: list[Request] = []
         admitted: list[Request] = []
+        # Rows of one query token first: the worker attends to them as one decode batch. A
+        # decode's place is known when it is chosen, so it is committed at once; the longer
+        # rows follow every decode, running requests' before admitted ones'.
+        seqs: list[ScheduledSeq] = []
+        chunks: list[tuple[Request, int]] = []
+        budget = self._schedule_running(step, seqs, chunks, preempted)
+        admissions: list[tuple[Request, int]] = []
+        self._admit_waiting(budget, admissions, assigned, admitted)
+        for req, num_new in admissions:
+            if num_new == 1:
+                seqs.append(self._commit(req, 1, step, len(seqs)))
+            else:
+                chunks.append((req, num_new))
+        for req, num_new in chunks:
+            seqs.append(self._commit(req, num_new, step, len(seqs)))
+        return StepPlan(step, seqs, preempted, assigned, admitted, self.tables.rows)
 
+    def _schedule_running(
+        self,
+        step: int,
+        decodes: list[ScheduledSeq],
+        chunks: list[tuple[Request, int]],
+        preempted: list[Request],
+    ) -> int:
+        """Choose among the running requests, in order, while the token budget lasts: commit
+        the decodes into ``decodes``, collect the longer rows in ``chunks``; returns the budget
+        left. It runs for every sequence of every step, so the tests of ``_can_schedule`` and
+        ``_reserve_blocks`` are inlined, on counters read once."""
+        budget = self.max_batch_tokens
+        block_size = self.blocks.block_size
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not _RUNNING:
                 continue
-            num_to_compute = req.num_tokens_to_compute
-            if not self._can_schedule(req, num_to_compute):
+            num_pending = req.num_pending_tokens
+            num_tokens = req.num_known_tokens + num_pending
+            num_computed = req.num_computed_tokens
+            num_to_compute = num_tokens - num_computed
+            if num_to_compute <= 0:
                 continue
-            if req.num_pending_tokens and req.pending_step != step - 1:
+            if num_to_compute == 1 and num_computed > 0 and num_tokens >= req.max_num_tokens:
+                continue  # decoding: it would only sample a token the length limits forbid
+            if num_pending and req.pending_step != step - 1:
                 continue  # left out of the last step: its token is not there to carry over
-            num_new = min(num_to_compute, budget)
-            if not self._reserve_blocks(req, num_new, preempted):
+            num_new = num_to_compute if num_to_compute <= budget else budget
+            if num_computed + num_new > len(req.block_ids) * block_size and not (
+                self._reserve_blocks(req, num_new, preempted)
+            ):
                 continue  # req itself was preempted
-            # Inline, as it runs for every sequence of every step: a block is complete.
-            if req.num_known_tokens >= req.publish_at <= req.num_computed_tokens + num_new:
-                self._publish(req, req.num_computed_tokens + num_new)
-            chosen.append((req, num_new))
+            # Inlined check: a block is complete.
+            if req.num_known_tokens >= req.publish_at <= num_computed + num_new:
+                self._publish(req, num_computed + num_new)
             budget -= num_new
-
-        budget = self._admit_waiting(budget, chosen, assigned, admitted)
-
-        # Rows of one query token first: the worker attends to them as one decode batch.
-        chosen.sort(key=lambda item: item[1] != 1)
-        return StepPlan(
-            step,
-            [self._commit(req, n, step, i) for i, (req, n) in enumerate(chosen)],
-            preempted,
-            assigned,
-            admitted,
-            self.tables.rows,
-        )
+            if num_new != 1:
+                chunks.append((req, num_new))
+                continue
+            # ``_commit`` of a decode, inlined on the counters read above. Preemption takes
+            # the newest running requests, never one chosen before this one, so a commit
+            # made here stands.
+            carry_src = req.pending_seq_index if num_pending else None
+            req.num_computed_tokens = num_computed + 1
+            samples = num_computed + 1 == num_tokens  # else a prompt chunk of one row
+            if samples:
+                req.num_pending_tokens = num_pending + 1
+                req.pending_seq_index = len(decodes)
+                req.pending_step = step
+            buffer = req.prompt_logprobs
+            prompt_logprobs = (
+                buffer is not None
+                and not buffer.complete
+                and num_computed < req.num_prompt_tokens - 1
+            )
+            output_index = len(req.output_token_ids) + num_pending
+            decodes.append(
+                _new_tuple(
+                    ScheduledSeq,
+                    (req, num_computed, 1, samples, carry_src, output_index, prompt_logprobs),
+                )
+            )
+        return budget
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[RequestUpdate]:
         """Apply step ``plan``'s results (one row per seq, in plan order)."""
@@ -199,27 +255,26 @@ class Scheduler:
         logprobs = output.sampled_logprobs.tolist()
         if output.prompt_logprobs is not None:
             self._collect_prompt_logprobs(plan, output)
+        top_ids, top_logprobs = output.top_ids, output.top_logprobs
         for index, seq in enumerate(plan.seqs):
-            req = seq.req
             if not seq.samples:
                 continue
-            if req.is_finished:
+            req = seq.req
+            if req.status >= _FIRST_FINISHED:
                 continue  # finished or cancelled while this step ran: a wasted row
-            req.num_pending_tokens -= 1
-            if req.num_pending_tokens == 0:
-                req.pending_seq_index = None
             token_id = ids[index]
-            req.append_output(token_id)
-            finished_as = req.stop_reason_after(token_id)
+            finished_as = req.accept_sampled(token_id)
             if finished_as is not None:
                 self.finish(req, finished_as)
             top = None
-            if req.params.logprobs and output.top_ids is not None:
-                assert output.top_logprobs is not None
+            if top_ids is not None and req.params.logprobs:
+                assert top_logprobs is not None
                 k = req.params.logprobs
-                top = (output.top_ids[index, :k], output.top_logprobs[index, :k])
+                top = (top_ids[index, :k], top_logprobs[index, :k])
             updates.append(
-                RequestUpdate(req, token_id, logprobs[index], top, finished_as is not None)
+                _new_tuple(
+                    RequestUpdate, (req, token_id, logprobs[index], top, finished_as is not None)
+                )
             )
         return updates
 
@@ -298,7 +353,8 @@ class Scheduler:
             return
         full = min(num_computed, req.num_known_tokens) // bs
         if full > req.num_published_blocks:
-            hashes = req.hashes_of_full_blocks(bs, full * bs)
+            req.hash_full_blocks(bs, full * bs)
+            hashes = req.block_hashes  # not a copy: a decode publishes one block of many
             for index in range(req.num_published_blocks, full):
                 self.blocks.publish(req.block_ids[index], hashes[index])
             req.num_published_blocks = full
@@ -317,9 +373,9 @@ class Scheduler:
             self.waiting.popleft()
         return self.waiting[0] if self.waiting else None
 
-    def _can_schedule(self, req: Request, num_to_compute: int | None = None) -> bool:
-        if num_to_compute is None:
-            num_to_compute = req.num_tokens_to_compute
+    def _can_schedule(self, req: Request) -> bool:
+        """Whether ``req`` has tokens to compute (inlined in ``_schedule_running``)."""
+        num_to_compute = req.num_tokens_to_compute
         if num_to_compute <= 0:
             return False
         # Every token is computed but the last; computing it would only sample a token that
@@ -356,25 +412,30 @@ class Scheduler:
         self.num_waiting += 1
 
     def _commit(self, req: Request, num_new: int, step: int, seq_index: int) -> ScheduledSeq:
+        """Count ``num_new`` of ``req``'s tokens as computed by ``step``, where it is sequence
+        ``seq_index``. ``_schedule_running`` has this inlined for decodes: change both."""
         start = req.num_computed_tokens
+        num_pending = req.num_pending_tokens
         carry_src = None
-        if req.num_pending_tokens:
+        if num_pending:
             # Only a decode row can need a pending token: the newest, from the previous step
             # (``schedule`` leaves out a request whose token is older).
-            assert num_new == 1 and start == req.num_tokens - 1
+            assert num_new == 1 and start == req.num_known_tokens + num_pending - 1
             carry_src = req.pending_seq_index
-        req.num_computed_tokens += num_new
-        samples = req.num_computed_tokens == req.num_tokens
-        output_index = req.num_outputs_planned
+        req.num_computed_tokens = start + num_new
+        output_index = len(req.output_token_ids) + num_pending  # outputs known or sampling
+        samples = start + num_new == req.num_known_tokens + num_pending
         if samples:
-            req.num_pending_tokens += 1
+            req.num_pending_tokens = num_pending + 1
             req.pending_seq_index = seq_index
             req.pending_step = step
         buffer = req.prompt_logprobs
         prompt_logprobs = (
             buffer is not None and not buffer.complete and start < req.num_prompt_tokens - 1
         )
-        return ScheduledSeq(req, start, num_new, samples, carry_src, output_index, prompt_logprobs)
+        return _new_tuple(
+            ScheduledSeq, (req, start, num_new, samples, carry_src, output_index, prompt_logprobs)
+        )
 
     def _collect_prompt_logprobs(self, plan: StepPlan, output: StepOutput) -> None:
         """Each prompt row's log-probability of the prompt token after it (the last prompt

@@ -359,16 +359,17 @@ class Frontend:
         self.num_generation_tokens += len(updates)
         by_client: dict[bytes, list[tuple[Job, RequestUpdate, str | None]]] = {}
         finished = []
+        job_of = self._job_of
         for update in updates:
             req = update.req
-            job = self._job_of.get(req.request_id)
+            job = job_of.get(req.request_id)
             if job is None:
                 continue
             # Judged by the update, not by the request: a later step may have been applied
             # already, and finished it with a token still to stream.
             done = update.finished
-            text = job.texts.get(req.request_id)
             delta = None
+            text = job.texts.get(req.request_id) if job.texts else None
             if text is not None:
                 delta = text.add(update.token_id)
                 if text.stopped_by is not None:
@@ -377,7 +378,11 @@ class Frontend:
             if req.params.prompt_logprobs is not None and not job.prompt_logprobs_sent:
                 job.prompt_logprobs_sent = True  # complete with the prompt's last chunk
                 self._send(job.origin.identity, _prompt_logprobs_frame(job, req))
-            by_client.setdefault(job.origin.identity, []).append((job, update, delta))
+            identity = job.origin.identity
+            entries = by_client.get(identity)
+            if entries is None:
+                entries = by_client[identity] = []
+            entries.append((job, update, delta))
             if done:
                 finished.append(req)
         for identity, entries in by_client.items():
@@ -482,23 +487,27 @@ def _prompt_logprobs_frame(job: Job, req: Request) -> PromptLogprobs:
 def _tokens_frame(entries: list[tuple[Job, RequestUpdate, str | None]]) -> Tokens:
     """One client's share of a step as one ``Tokens`` frame; optional columns only when a job
     in it asked for them."""
-    updates = [u for _, u, _ in entries]
-    with_text = any(text is not None for _, _, text in entries)
-    with_logprobs = any(u.req.params.logprobs is not None for u in updates)
-    with_top = any(u.top is not None for u in updates)
-    with_indices = any(u.req.sample_index for u in updates)
+    # Columns by transposing, in C: one frame may hold every sequence of a step.
+    jobs, updates, texts = zip(*entries, strict=True)
+    reqs, token_ids, logprobs, tops, _ = zip(*updates, strict=True)
+    indices = [req.sample_index for req in reqs]
+    with_logprobs = [req.params.logprobs is not None for req in reqs]
+    with_top = tops.count(None) < len(tops)
     return Tokens(
-        request_ids=[job.origin.client_request_id for job, _, _ in entries],
-        token_ids=[[u.token_id] for u in updates],
-        indices=[u.req.sample_index for u in updates] if with_indices else None,
-        texts=[text or "" for _, _, text in entries] if with_text else None,
-        logprobs=[[u.logprob] if u.req.params.logprobs is not None else [] for u in updates]
-        if with_logprobs
+        request_ids=[job.origin.client_request_id for job in jobs],
+        token_ids=[[token_id] for token_id in token_ids],
+        indices=indices if any(indices) else None,
+        texts=[text or "" for text in texts] if texts.count(None) < len(texts) else None,
+        logprobs=[
+            [logprob] if wanted else []
+            for logprob, wanted in zip(logprobs, with_logprobs, strict=True)
+        ]
+        if any(with_logprobs)
         else None,
-        top_ids=[[u.top[0].tolist()] if u.top is not None else [] for u in updates]
+        top_ids=[[top[0].tolist()] if top is not None else [] for top in tops]
         if with_top
         else None,
-        top_logprobs=[[u.top[1].tolist()] if u.top is not None else [] for u in updates]
+        top_logprobs=[[top[1].tolist()] if top is not None else [] for top in tops]
         if with_top
         else None,
     )

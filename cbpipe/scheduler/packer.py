@@ -1,15 +1,18 @@
 """Writes a ``StepPlan`` into a slot and reads the step's outputs back.
 
-This runs once per step on the scheduler's critical path, so per-sequence work is plain
-Python list building, and each field is written with one numpy assignment; only prefill
-chunks (a few per step, many rows each) are written slice by slice. What a request's rows
-need that never changes while it runs (its sampling parameters) is written once, into a row
-of ``SamplingTable`` when it takes its block-table row, and gathered from there each step.
+This runs once per step on the scheduler's critical path, so the plan's sequences are
+transposed into columns once (``SeqColumns``) and each field is written with one numpy
+assignment, computed from those columns and the block-table rows; only prefill chunks (a few
+per step, many rows each) are written slice by slice. What a request's rows need that never
+changes while it runs (its sampling parameters) is written once, into a row of
+``SamplingTable`` when it takes its block-table row, and gathered from there each step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,6 +24,23 @@ from cbpipe.scheduler.request import Request
 
 _MODE_RANK = {SamplingMode.GREEDY: 0, SamplingMode.RANDOM: 1, SamplingMode.FULL: 2}
 _MODES = sorted(_MODE_RANK, key=_MODE_RANK.__getitem__)
+_table_row = attrgetter("table_row")
+
+
+class SeqColumns(NamedTuple):
+    """A plan's sequences field by field: ``ScheduledSeq``'s fields, transposed."""
+
+    reqs: tuple[Request, ...]
+    starts: tuple[int, ...]
+    num_query_tokens: tuple[int, ...]
+    samples: tuple[bool, ...]
+    carry_srcs: tuple[int | None, ...]
+    output_indices: tuple[int, ...]
+    prompt_logprobs: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, seqs: list[ScheduledSeq]) -> SeqColumns:
+        return cls(*zip(*seqs, strict=True))
 
 
 @dataclass
@@ -118,28 +138,38 @@ class BatchPacker:
         views = self._views[slot]
         inputs = views.inputs
         seqs = plan.seqs
-        num_seqs, num_tokens = len(seqs), plan.num_tokens
+        if not seqs:
+            raise ValueError(f"step {plan.step} has no sequences")
+        columns = SeqColumns.of(seqs)
+        lengths = columns.num_query_tokens
+        num_seqs, num_tokens = len(seqs), sum(lengths)
         limits = self.layout.limits
         if num_seqs > limits.max_seqs or num_tokens > limits.max_tokens:
             raise ValueError(f"step {plan.step} exceeds the slot's capacity")
-        carries = any(s.carry_src is not None for s in seqs)
+        num_carried = num_seqs - columns.carry_srcs.count(None)  # decodes only
+        carries = num_carried > 0
         if carries and previous_slot is None:
             raise ValueError(f"step {plan.step} carries tokens over but no step came before it")
         for req in plan.assigned:
             self.table.write(req)
 
-        num_decodes = plan.num_single_token_seqs
-        self._pack_decode_rows(inputs, seqs[:num_decodes])
+        rows = np.fromiter(map(_table_row, columns.reqs), dtype=np.intp, count=num_seqs)
+        starts = np.array(columns.starts, np.int64)
+        num_decodes = lengths.count(1)  # they come first
+        self._pack_decode_rows(
+            inputs, columns, starts[:num_decodes], rows, plan.block_tables, num_carried
+        )
         row = num_decodes
         for index in range(num_decodes, num_seqs):
             row = self._pack_chunk_rows(views, seqs[index], row)
-        rows = np.fromiter((s.req.table_row for s in seqs), dtype=np.intp, count=num_seqs)
-        width = self._pack_sequences(inputs, seqs, rows, plan.block_tables, plan.assigned)
+        width = self._pack_sequences(
+            inputs, columns, starts, rows, plan.block_tables, plan.assigned
+        )
         mode = _MODES[int(self.table.mode_rank[rows].max())]
         num_bias_entries = 0
         if mode is SamplingMode.FULL and self.table.bias_state[rows].any():
             num_bias_entries = self._pack_bias_entries(views, seqs, rows)
-        prompt_logprobs = any(s.prompt_logprobs for s in seqs[num_decodes:])
+        prompt_logprobs = any(columns.prompt_logprobs[num_decodes:])
         if self.table.prompt_logprobs[rows[:num_decodes]].any():
             # A prompt chunk of one row sits among the decodes (a budget left at one token).
             prompt_logprobs |= self._pack_single_row_targets(views, seqs[:num_decodes])
@@ -151,8 +181,8 @@ class BatchPacker:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             num_single_token_seqs=num_decodes,
-            max_query_len=max(s.num_query_tokens for s in seqs),
-            max_context_len=max(s.start + s.num_query_tokens for s in seqs),
+            max_query_len=max(lengths),
+            max_context_len=int(inputs.context_lens[:num_seqs].max()),
             block_table_width=width,
             carry_from_slot=previous_slot if carries else None,
             sampling=mode,
@@ -175,20 +205,39 @@ class BatchPacker:
             output.prompt_top_logprobs = out.prompt_top_logprobs[: t * k].reshape(t, k).copy()
         return output
 
-    def _pack_decode_rows(self, inputs: StepInputs[np.ndarray], seqs: list[ScheduledSeq]) -> None:
-        """Rows of one token, seq i on row i: one list per field, one assignment each."""
-        n = len(seqs)
+    def _pack_decode_rows(
+        self,
+        inputs: StepInputs[np.ndarray],
+        columns: SeqColumns,
+        starts: np.ndarray,
+        rows: np.ndarray,
+        block_tables: np.ndarray,
+        num_carried: int,
+    ) -> None:
+        """The rows of one token (the first ``len(starts)`` sequences), seq i on row i;
+        ``num_carried`` of them carry their token over."""
+        n = len(starts)
         bs = self.block_size
-        positions = [s.start for s in seqs]
-        inputs.positions[:n] = positions
-        inputs.slot_mapping[:n] = [
-            s.req.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)
-        ]
-        inputs.carry_mask[:n] = [s.carry_src is not None for s in seqs]
-        inputs.carry_src[:n] = [s.carry_src or 0 for s in seqs]  # 0: a valid unused index
+        positions = inputs.positions[:n]
+        positions[:] = starts
+        # Each row's block, from its request's block-table row (which holds its block ids).
+        blocks = block_tables[rows[:n], positions // bs]
+        np.add(blocks * bs, positions % bs, out=inputs.slot_mapping[:n])
+        carry_srcs = columns.carry_srcs[:n]
+        if num_carried == n:  # every decode of an asynchronous step
+            inputs.carry_mask[:n] = True
+            inputs.carry_src[:n] = carry_srcs
+            inputs.input_ids[:n] = 0  # ignored: the device takes the previous step's ids
+            return
+        inputs.carry_mask[:n] = [src is not None for src in carry_srcs]
+        inputs.carry_src[:n] = [src or 0 for src in carry_srcs]  # 0: a valid unused index
         # A carried row's id is ignored: the device takes the previous step's sampled id.
-        inputs.input_ids[:n] = [0 if s.carry_src is not None else s.req.token_at(s.start)
-                                for s in seqs]  # fmt: skip
+        inputs.input_ids[:n] = [
+            0 if src is not None else req.token_at(start)
+            for req, start, src in zip(
+                columns.reqs[:n], columns.starts[:n], carry_srcs, strict=True
+            )
+        ]
 
     def _pack_chunk_rows(self, views: SlotViews[np.ndarray], seq: ScheduledSeq, row: int) -> int:
         """A prefill chunk's rows, which start at ``row``; returns the row after them."""
@@ -225,20 +274,24 @@ class BatchPacker:
     def _pack_sequences(
         self,
         inputs: StepInputs[np.ndarray],
-        seqs: list[ScheduledSeq],
+        columns: SeqColumns,
+        starts: np.ndarray,
         rows: np.ndarray,
         block_tables: np.ndarray,
         assigned: list[Request],
     ) -> int:
         """Per-sequence fields and block tables; returns the block-table row width."""
-        n = len(seqs)
-        lengths = [s.num_query_tokens for s in seqs]
+        n = len(rows)
+        lengths = np.array(columns.num_query_tokens, np.int64)
         inputs.query_start[0] = 0
-        inputs.query_start[1 : n + 1] = np.cumsum(lengths)
-        inputs.context_lens[:n] = [s.start + s.num_query_tokens for s in seqs]
-        inputs.output_index[:n] = [s.output_index for s in seqs]
+        np.cumsum(lengths, out=inputs.query_start[1 : n + 1])
+        context_lens = np.add(starts, lengths, out=inputs.context_lens[:n])
+        inputs.output_index[:n] = columns.output_indices
         inputs.request_row[:n] = rows
-        inputs.has_prompt_logprobs[:n] = [s.prompt_logprobs for s in seqs]
+        if any(columns.prompt_logprobs):
+            inputs.has_prompt_logprobs[:n] = columns.prompt_logprobs
+        else:
+            inputs.has_prompt_logprobs[:n] = False
         if assigned:
             taken = np.fromiter((req.table_row for req in assigned), np.intp, len(assigned))
             inputs.resets_row[:n] = np.isin(rows, taken)
@@ -246,7 +299,8 @@ class BatchPacker:
             inputs.resets_row[:n] = False
         for name in _TABLE_FIELDS:
             getattr(inputs, name)[:n] = getattr(self.table, name)[rows]
-        width = max(len(s.req.block_ids) for s in seqs)
+        # Each sequence's table holds the blocks of its context, no more.
+        width = -(-int(context_lens.max()) // self.block_size)
         # Columns past a sequence's own blocks hold stale ids; context_lens keeps them unread.
         inputs.block_tables[: n * width].reshape(n, width)[:] = block_tables[rows, :width]
         return width

@@ -75,6 +75,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     table_row: int | None = None  # its row in the scheduler's BlockTables while running
     num_known_tokens: int = field(init=False)
+    # Prompt plus outputs never exceed this: max_new_tokens outputs, within max_total_tokens.
+    max_num_tokens: int = field(init=False)
+    # The tokens that end it: its stop tokens, and EOS unless it ignores EOS.
+    end_token_ids: frozenset[int] = field(init=False)
     num_preemptions: int = 0
     sample_index: int = 0  # which of its job's ``n`` samples this request is
     # What stopped it: a stop token id, or the stop string the text stage matched.
@@ -92,9 +96,15 @@ class Request:
 
     def __post_init__(self) -> None:
         # Prompt plus outputs, counted rather than measured: the scheduler reads it several
-        # times per request per step. Outputs grow only through ``append_output``.
+        # times per request per step. Outputs grow only through ``append_output`` and
+        # ``accept_sampled``.
         self.num_known_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         params = self.params
+        self.max_num_tokens = min(
+            len(self.prompt_token_ids) + params.max_new_tokens, self.max_total_tokens
+        )
+        ends = frozenset(params.stop_token_ids)
+        self.end_token_ids = ends if params.ignore_eos else ends | self.eos_token_ids
         if params.needs_full_sampling:
             self.sampling_mode = SamplingMode.FULL
         elif params.is_greedy:
@@ -133,10 +143,7 @@ class Request:
     @property
     def may_sample_more(self) -> bool:
         """Whether another token may be sampled, judged by length limits alone."""
-        return (
-            self.num_outputs_planned < self.params.max_new_tokens
-            and self.num_tokens < self.max_total_tokens
-        )
+        return self.num_tokens < self.max_num_tokens
 
     def token_at(self, position: int) -> int:
         if position < len(self.prompt_token_ids):
@@ -165,6 +172,11 @@ class Request:
 
     def hashes_of_full_blocks(self, block_size: int, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks among its first ``num_tokens`` known tokens."""
+        return self.block_hashes[: self.hash_full_blocks(block_size, num_tokens)]
+
+    def hash_full_blocks(self, block_size: int, num_tokens: int) -> int:
+        """Extend ``block_hashes`` over the full blocks among its first ``num_tokens`` known
+        tokens; returns how many blocks that is (``block_hashes`` may hold more)."""
         count = min(num_tokens, self.num_known_tokens) // block_size
         done = len(self.block_hashes)
         if done < count:
@@ -172,28 +184,26 @@ class Request:
             self.block_hashes += chain_hashes(
                 self.block_hashes[-1] if done else None, tokens, block_size, self.params.cache_salt
             )
-        return self.block_hashes[:count]
+        return count
 
     @property
     def banned_until_min_tokens(self) -> tuple[int, ...]:
         """Tokens that would end the request, banned while it is short of ``min_tokens``."""
-        ends = set(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            ends |= self.eos_token_ids
-        return tuple(sorted(ends))
+        return tuple(sorted(self.end_token_ids))
 
-    def stop_reason_after(self, token_id: int) -> RequestStatus | None:
-        """The finished state that appending ``token_id`` (already appended) leads to."""
-        ends = token_id in self.params.stop_token_ids or (
-            not self.params.ignore_eos and token_id in self.eos_token_ids
-        )
+    def accept_sampled(self, token_id: int) -> RequestStatus | None:
+        """Take the token that its oldest pending row sampled as its next output; returns the
+        finished state that the token leads to, if any."""
+        self.num_pending_tokens -= 1
+        if self.num_pending_tokens == 0:
+            self.pending_seq_index = None
+        self.output_token_ids.append(token_id)
+        self.num_known_tokens += 1
         # Ending tokens are banned on the device until min_tokens outputs exist.
-        if ends and len(self.output_token_ids) > self.params.min_tokens:
+        if token_id in self.end_token_ids and len(self.output_token_ids) > self.params.min_tokens:
             self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if len(self.output_token_ids) >= self.params.max_new_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if self.num_known_tokens >= self.max_total_tokens:
+        if self.num_known_tokens >= self.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -1,17 +1,20 @@
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
-from cbpipe.protocol.messages import SamplingMode
+from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.protocol.sampling import SamplingParams
-from cbpipe.protocol.slots import SlotLayout, SlotLimits, numpy_views
+from cbpipe.protocol.slots import SlotLayout, SlotLimits, SlotViews, numpy_views
 from cbpipe.scheduler.block_manager import BlockManager
-from cbpipe.scheduler.core import Scheduler
+from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 
 BLOCK = 4
+EOS = 1
 
 
 def setup() -> tuple[Scheduler, BatchPacker, memoryview, SlotLayout]:
@@ -80,3 +83,166 @@ def test_carry_over_without_a_previous_step_is_refused() -> None:
     scheduler.schedule()
     with pytest.raises(ValueError, match="carries tokens over"):
         packer.pack(scheduler.schedule(), slot=1, previous_slot=None)
+
+
+# --- the packer against a row-by-row reference, over a random workload ------------------------
+
+
+def _reference_inputs(plan: StepPlan, block_size: int) -> dict[str, list]:
+    """Every input field a step uses, written out row by row and sequence by sequence from
+    the plan and its requests as they are when it is packed: what the packer's columns and
+    block-table gathers must reproduce."""
+    rows: dict[str, list] = {name: [] for name in ("input_ids", "positions", "slot_mapping")}
+    rows["carry_mask"], rows["carry_src"] = [], []
+    for seq in plan.seqs:
+        req = seq.req
+        for position in range(seq.start, seq.start + seq.num_query_tokens):
+            carried = seq.carry_src is not None
+            block = req.block_ids[position // block_size]
+            rows["positions"].append(position)
+            rows["slot_mapping"].append(block * block_size + position % block_size)
+            rows["carry_mask"].append(carried)
+            rows["carry_src"].append(seq.carry_src if carried else 0)
+            rows["input_ids"].append(0 if carried else req.token_at(position))
+    assigned_rows = {req.table_row for req in plan.assigned}
+    lengths = [s.num_query_tokens for s in plan.seqs]
+    width = max(len(s.req.block_ids) for s in plan.seqs)
+    return {
+        **rows,
+        "query_start": [sum(lengths[:i]) for i in range(len(lengths) + 1)],
+        "context_lens": [s.start + s.num_query_tokens for s in plan.seqs],
+        "output_index": [s.output_index for s in plan.seqs],
+        "request_row": [s.req.table_row for s in plan.seqs],
+        "resets_row": [s.req.table_row in assigned_rows for s in plan.seqs],
+        "has_prompt_logprobs": [s.prompt_logprobs for s in plan.seqs],
+        "temperature": [s.req.params.temperature for s in plan.seqs],
+        "top_k": [s.req.params.top_k for s in plan.seqs],
+        "seed": [s.req.seed for s in plan.seqs],
+        "num_prompt_tokens": [s.req.num_prompt_tokens for s in plan.seqs],
+        "block_tables": [s.req.block_ids for s in plan.seqs],
+        "header": [plan.step, sum(lengths), len(plan.seqs), width],
+    }
+
+
+def _packed_inputs(views: SlotViews, step: Step) -> dict[str, list]:
+    inputs, n, t = views.inputs, step.num_seqs, step.num_tokens
+    packed: dict[str, list] = {
+        name: getattr(inputs, name)[:t].tolist()
+        for name in ("input_ids", "positions", "slot_mapping", "carry_mask", "carry_src")
+    }
+    for name in (
+        "context_lens", "output_index", "request_row", "resets_row", "has_prompt_logprobs",
+        "temperature", "top_k", "seed", "num_prompt_tokens",
+    ):  # fmt: skip
+        packed[name] = getattr(inputs, name)[:n].tolist()
+    packed["query_start"] = inputs.query_start[: n + 1].tolist()
+    tables = inputs.block_tables[: n * step.block_table_width].reshape(n, -1)
+    context_lens = packed["context_lens"]
+    packed["block_tables"] = [tables[i, : -(-context_lens[i] // BLOCK)].tolist() for i in range(n)]
+    packed["header"] = inputs.header.tolist()
+    return packed
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    options: dict = {"seed": rng.randrange(1000), "ignore_eos": rng.random() < 0.5}
+    if rng.random() < 0.4:
+        options["temperature"] = 0.5  # exact in float32
+    if rng.random() < 0.2:
+        options["top_k"] = 5
+    if rng.random() < 0.2:
+        options["logprobs"] = rng.randint(0, 3)
+    if rng.random() < 0.1:
+        options["prompt_logprobs"] = 1
+    if rng.random() < 0.2:
+        options["stop_token_ids"] = (rng.randrange(3, 64),)
+    return SamplingParams(rng.randint(1, 12), **options)
+
+
+@pytest.mark.parametrize(
+    ("seed", "num_slots", "prefix_caching", "num_blocks"),
+    [(0, 2, True, 24), (1, 3, False, 16), (2, 2, False, 64), (3, 3, True, 14), (4, 2, True, 12)],
+)
+def test_packed_slots_match_a_row_by_row_reference_over_a_random_workload(
+    seed: int, num_slots: int, prefix_caching: bool, num_blocks: int
+) -> None:
+    """Prefill chunks beside decodes, admissions, finishes by EOS, stop token and length,
+    cancellations, preemptions, and every slot reused with up to ``num_slots`` steps in
+    flight: each packed slot holds what the reference writes row by row, and each step's
+    message says what the plan holds."""
+    rng = random.Random(seed)
+    max_total = 40
+    layout = SlotLayout.build(SlotLimits(24, 8, max_total // BLOCK), num_slots=num_slots)
+    buffer = memoryview(bytearray(layout.segment_nbytes))
+    scheduler = Scheduler(
+        BlockManager(num_blocks, BLOCK, prefix_caching=prefix_caching),
+        max_num_seqs=8,
+        max_batch_tokens=24,
+    )
+    packer = BatchPacker(buffer, layout, BLOCK)
+    shared = [rng.randrange(3, 64) for _ in range(12)]
+    in_flight: list[tuple[StepPlan, Step, int]] = []
+    next_id, num_steps, carried, preempted, sample_modes = 0, 0, 0, 0, set()
+
+    def add_request() -> None:
+        nonlocal next_id
+        next_id += 1
+        prompt = shared[: rng.choice((0, 4, 9, 12))] + [
+            rng.randrange(3, 64) for _ in range(rng.randint(1, 20))
+        ]
+        scheduler.add_request(
+            Request(next_id, prompt, _random_params(rng), next_id, max_total, frozenset({EOS}))
+        )
+
+    def apply_oldest() -> None:
+        plan, step, slot = in_flight.pop(0)
+        sampled = [EOS if rng.random() < 0.05 else rng.randrange(3, 64) for _ in plan.seqs]
+        packer.views(slot).outputs.sampled_ids[: len(sampled)] = sampled
+        scheduler.update(plan, packer.read_output(slot, step))
+
+    for _ in range(8):
+        add_request()
+    while scheduler.requests and num_steps < 300:
+        if rng.random() < 0.15 and num_steps < 150:
+            add_request()
+        if rng.random() < 0.03 and scheduler.running:
+            scheduler.cancel(rng.choice(scheduler.running).request_id)
+        if len(in_flight) == num_slots or not scheduler.has_work:
+            apply_oldest()
+            continue
+        plan = scheduler.schedule()
+        if not plan.seqs:
+            apply_oldest()
+            continue
+        slot = num_steps % num_slots
+        previous = in_flight[-1][2] if in_flight else None
+        expected = _reference_inputs(plan, BLOCK)
+        step = packer.pack(plan, slot, previous)
+        assert _packed_inputs(packer.views(slot), step) == expected
+        lengths = [s.num_query_tokens for s in plan.seqs]
+        decodes = lengths.count(1)
+        assert lengths[:decodes] == [1] * decodes  # one-token rows first
+        assert (step.num_seqs, step.num_tokens, step.num_single_token_seqs) == (
+            len(lengths),
+            sum(lengths),
+            decodes,
+        )
+        assert step.max_query_len == max(lengths)
+        assert step.max_context_len == max(expected["context_lens"])
+        assert step.block_table_width == expected["header"][3]
+        carries = any(s.carry_src is not None for s in plan.seqs)
+        assert step.carry_from_slot == (previous if carries else None)
+        for seq in plan.seqs:  # a carried row reads the sample of its request's last row
+            if seq.carry_src is not None:
+                source = in_flight[-1][0].seqs[seq.carry_src]
+                assert source.req is seq.req and source.samples
+        assert step.top_logprobs == any(bool(s.req.params.logprobs) for s in plan.seqs)
+        carried += carries
+        preempted += len(plan.preempted)
+        sample_modes.add(step.sampling)
+        in_flight.append((plan, step, slot))
+        num_steps += 1
+        scheduler.check_invariants()
+    while in_flight:
+        apply_oldest()
+    assert carried > 20 and len(sample_modes) > 1
+    assert preempted > 0 or num_blocks == 64  # only the roomiest cache never runs short
