@@ -229,6 +229,7 @@ _STARTUP_MARKS = (
     "compile phases",
     "imports and checks",
     " ready: ",
+    "compiled ahead",
 )
 
 

@@ -210,11 +210,13 @@ def _main(
 
 def compile_variants(job: CompileJob) -> None:
     """Compile ``job``'s variants as the worker's decode graphs first run them."""
+    from torch._inductor import config as inductor_config
+
     setup_logging(job.log_level, "compile_ahead")
     os.environ.update(job.cache_env)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(_COMPILE_THREADS))
+    inductor_config.compile_threads = _COMPILE_THREADS  # not part of any artifact's key
     device = torch.device(job.device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     layout, batch = job.layout, job.first_batch
     max_seqs = layout.limits.max_seqs
