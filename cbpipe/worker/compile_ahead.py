@@ -176,10 +176,11 @@ class CompileAhead:
             codes.append(process.exitcode)
         now = time.perf_counter()
         log.info(
-            "samplers compiled ahead by %d processes in %.1f s (exit codes %s), waited for %.1f s",
+            "samplers compiled ahead: %d processes done (exit codes %s) %.1f s after their "
+            "start, waited for %.1f s",
             len(self._processes),
-            now - self._started_at,
             codes,
+            now - self._started_at,
             now - waited,
         )
         self._processes = []
