@@ -230,6 +230,8 @@ _STARTUP_MARKS = (
     "imports and checks",
     " ready: ",
     "compiled ahead",
+    "inductor cache",
+    "triton cache",
 )
 
 

@@ -55,7 +55,7 @@ def use_compile_cache(
     root = Path(setting) if setting else env.cache_dir()
     folder = root / "compile" / cache_key(config, dtype, device)
     for part, variable in CACHE_VARIABLES.items():
-        if variable in os.environ:
+        if _set_by_user(variable):
             log.info("%s cache: %s (from %s)", part, os.environ[variable], variable)
             continue
         path = folder / part
@@ -63,6 +63,21 @@ def use_compile_cache(
         os.environ[variable] = str(path)
     log.info("compile cache: %s", folder)
     return folder
+
+
+def _set_by_user(variable: str) -> bool:
+    """Whether ``variable`` names a folder someone chose. Importing inductor's configuration
+    sets ``TORCHINDUCTOR_CACHE_DIR`` to inductor's own default (``cache_dir_utils.cache_dir``
+    writes it back), and the worker's imports do that before this runs: that value is not a
+    choice, and taking it for one put every model's artifacts in one folder under /tmp."""
+    value = os.environ.get(variable)
+    if value is None:
+        return False
+    if variable == CACHE_VARIABLES["inductor"]:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+    return True
 
 
 def _version(package: str) -> str | None:

@@ -130,7 +130,7 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
     small vocabularies never met what inductor does with a row that long: a split scan for
     top-p's running mass, whose code generation failed at start-up of every 8B and 1B
     engine once the compiled path became the default."""
-    from cbpipe.worker.runner import _compile
+    from cbpipe.worker.compiling import compile_decode_fn
     from cbpipe.worker.sampler import sample_full
     from tests.unit.test_full_sampler import full_inputs
 
@@ -144,7 +144,7 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
     counts = torch.randint(0, 2, (state_rows, vocab), device=CUDA, generator=gen).int()
     seen = counts > 0
 
-    compiled = _compile(sample_full)
+    compiled = compile_decode_fn(sample_full)
     for truncation in (False, True):
         for top_logprobs in (False, True):
             inputs = full_inputs(

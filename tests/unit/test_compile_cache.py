@@ -73,3 +73,17 @@ def test_the_default_root_is_the_users_cache(
         clean_environment.delenv(variable)
     folder = use_compile_cache(None, config, torch.bfloat16, CPU)
     assert folder is not None and folder.parent == tmp_path / "mine" / "compile"
+
+
+def test_inductors_own_default_is_not_a_users_choice(
+    clean_environment: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Importing inductor's configuration writes its default folder into the variable; the
+    model's folder must win over that, or every model shares /tmp's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    clean_environment.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    config = resolve_model("random:qwen2-tiny").config
+    folder = use_compile_cache(str(tmp_path), config, torch.bfloat16, CPU)
+    assert folder is not None
+    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == folder / "inductor"
