@@ -39,7 +39,7 @@ from cbpipe.lifetime import end_with_parent
 from cbpipe.logs import setup_logging
 from cbpipe.protocol.slots import HEADER_FIELDS, SlotLayout, SlotLimits
 from cbpipe.worker.compiling import without_duck_sizing
-from cbpipe.worker.cuda_graphs import GraphVariant
+from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM, GraphVariant
 from cbpipe.worker.sampling_state import SamplingState
 from cbpipe.worker.step_sampling import StepSampling, device_slot
 
@@ -87,8 +87,6 @@ _REGIONS = ("inputs", "extras", "outputs")
 def ahead_variants(full_sampling: bool) -> tuple[GraphVariant, ...]:
     """The variants whose samplers compile ahead: all but greedy, whose sampler is one op
     (its first run is the forward's compile, which needs the model)."""
-    from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM
-
     return (RANDOM, *(FULL_VARIANTS if full_sampling else ()))
 
 
