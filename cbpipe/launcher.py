@@ -24,7 +24,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from types import FrameType
 from cbpipe import config as config_module
 from cbpipe.config import EngineConfig
 from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
-from cbpipe.lifetime import end_with_parent, process_age_s
+from cbpipe.lifetime import end_with_parent, fork_is_safe, process_age_s
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
 from cbpipe.models.support import check_config, check_tensor_parallel, length_limit
@@ -349,20 +348,11 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _child_context() -> mp.context.BaseContext:
-    """Fork the children where that is safe, so that they start with what this process has
-    imported (``engine_children`` imports their modules): torch, transformers and triton
-    take seconds to import again, and the worker's imports come before all its other
-    start-up. Safe means Linux, no Python thread but this one (a fork copies no other
-    thread, whatever locks it held) and no CUDA here (a forked child cannot use a context
-    its parent made). The BLAS pool numpy starts at import is native and fork-aware: it
-    does not count. Spawn otherwise."""
-    import torch
-
-    if (
-        sys.platform.startswith("linux")
-        and threading.active_count() == 1
-        and not torch.cuda.is_initialized()
-    ):
+    """Fork the children where that is safe (``lifetime.fork_is_safe``), so that they start
+    with what this process has imported (``engine_children`` imports their modules): torch,
+    transformers and triton take seconds to import again, and the worker's imports come
+    before all its other start-up. Spawn otherwise."""
+    if fork_is_safe():
         return mp.get_context("fork")
     log.debug("spawning the children: this process has threads or CUDA")
     return mp.get_context("spawn")

@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -45,3 +46,14 @@ def process_age_s() -> float | None:
         return None
     started_ticks = int(fields[19])  # starttime, field 22, in clock ticks since boot
     return time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def fork_is_safe() -> bool:
+    """Whether a child forked now can run on: on Linux, with no Python thread but this one
+    (a fork copies no other thread, whatever locks it held) and no CUDA context (a forked
+    child cannot use its parent's). Native pools, such as the BLAS threads numpy starts at
+    import, are fork-aware and do not count."""
+    if not sys.platform.startswith("linux") or threading.active_count() != 1:
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()

@@ -193,7 +193,7 @@ class Scheduler:
         """Choose among the running requests, in order, while the token budget lasts: commit
         the decodes into ``decodes``, collect the longer rows in ``chunks``; returns the budget
         left. It runs for every sequence of every step, so the tests of ``_can_schedule`` and
-        ``_reserve_blocks`` are inlined, on counters read once."""
+        ``_reserve_blocks``'s room check are inlined, on counters read once."""
         budget = self.max_batch_tokens
         block_size = self.blocks.block_size
         for req in list(self.running):
@@ -220,32 +220,12 @@ class Scheduler:
             if req.num_known_tokens >= req.publish_at <= num_computed + num_new:
                 self._publish(req, num_computed + num_new)
             budget -= num_new
-            if num_new != 1:
+            if num_new == 1:
+                # Committed now: preemption takes the newest running requests, never one
+                # chosen before this one, so the commit stands.
+                decodes.append(self._commit(req, 1, step, len(decodes)))
+            else:
                 chunks.append((req, num_new))
-                continue
-            # ``_commit`` of a decode, inlined on the counters read above. Preemption takes
-            # the newest running requests, never one chosen before this one, so a commit
-            # made here stands.
-            carry_src = req.pending_seq_index if num_pending else None
-            req.num_computed_tokens = num_computed + 1
-            samples = num_computed + 1 == num_tokens  # else a prompt chunk of one row
-            if samples:
-                req.num_pending_tokens = num_pending + 1
-                req.pending_seq_index = len(decodes)
-                req.pending_step = step
-            buffer = req.prompt_logprobs
-            prompt_logprobs = (
-                buffer is not None
-                and not buffer.complete
-                and num_computed < req.num_prompt_tokens - 1
-            )
-            output_index = len(req.output_token_ids) + num_pending
-            decodes.append(
-                _new_tuple(
-                    ScheduledSeq,
-                    (req, num_computed, 1, samples, carry_src, output_index, prompt_logprobs),
-                )
-            )
         return budget
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[RequestUpdate]:
@@ -413,7 +393,7 @@ class Scheduler:
 
     def _commit(self, req: Request, num_new: int, step: int, seq_index: int) -> ScheduledSeq:
         """Count ``num_new`` of ``req``'s tokens as computed by ``step``, where it is sequence
-        ``seq_index``. ``_schedule_running`` has this inlined for decodes: change both."""
+        ``seq_index``."""
         start = req.num_computed_tokens
         num_pending = req.num_pending_tokens
         carry_src = None

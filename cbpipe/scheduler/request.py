@@ -96,8 +96,7 @@ class Request:
 
     def __post_init__(self) -> None:
         # Prompt plus outputs, counted rather than measured: the scheduler reads it several
-        # times per request per step. Outputs grow only through ``append_output`` and
-        # ``accept_sampled``.
+        # times per request per step. Outputs grow only through ``accept_sampled``.
         self.num_known_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         params = self.params
         self.max_num_tokens = min(
@@ -115,10 +114,6 @@ class Request:
         if params.prompt_logprobs is not None and len(self.prompt_token_ids) > 1:
             self.prompt_logprobs = PromptLogprobsBuffer(len(self.prompt_token_ids))
 
-    def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.num_known_tokens += 1
-
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -134,11 +129,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def num_outputs_planned(self) -> int:
-        """Outputs known or already being sampled."""
-        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def may_sample_more(self) -> bool:

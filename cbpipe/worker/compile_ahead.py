@@ -27,7 +27,6 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -35,17 +34,16 @@ from pathlib import Path
 
 import torch
 
-from cbpipe.lifetime import end_with_parent
+from cbpipe.lifetime import end_with_parent, fork_is_safe
 from cbpipe.logs import setup_logging
-from cbpipe.protocol.slots import HEADER_FIELDS, SlotLayout, SlotLimits
+from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.worker.compiling import without_duck_sizing
 from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM, GraphVariant
 from cbpipe.worker.sampling_state import SamplingState
-from cbpipe.worker.step_sampling import StepSampling, device_slot
+from cbpipe.worker.step_sampling import StepSampling, device_slot, real_rows
 
 log = logging.getLogger("cbpipe.worker")
 
-_NUM_SEQS = HEADER_FIELDS.index("num_seqs")
 # Each process runs its own inductor compile pool: a few workers each, so that they and the
 # worker's pool share the host's cores rather than each taking all of them.
 _COMPILE_THREADS = 4
@@ -105,11 +103,9 @@ class CompileAhead:
 
     @classmethod
     def fork(cls, count: int) -> CompileAhead | None:
-        """``count`` waiting processes, or None where forking is not safe: a fork copies no
-        other thread (whatever locks it held) and no CUDA context can cross it."""
-        if not sys.platform.startswith("linux") or threading.active_count() != 1:
-            return None
-        if torch.cuda.is_initialized():
+        """``count`` waiting processes, or None where forking is not safe
+        (``lifetime.fork_is_safe``)."""
+        if not fork_is_safe():
             return None
         context = mp.get_context("fork")
         processes = []
@@ -230,7 +226,7 @@ def compile_variants(job: CompileJob) -> None:
             # row view, the validity of each row from the slot's header.
             logits = torch.zeros(1, batch, job.vocab, dtype=getattr(torch, job.logits_dtype),
                                  device=device)[0]  # fmt: skip
-            valid = row_ids[:batch] < slot.inputs.header[_NUM_SEQS]
+            valid = real_rows(slot, row_ids, batch)
             input_ids = torch.zeros(batch, dtype=torch.int64, device=device)
             sampling.sample_decode_rows(slot, logits, batch, variant, valid, input_ids)
         if device.type == "cuda":

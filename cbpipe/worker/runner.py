@@ -69,7 +69,7 @@ from cbpipe.worker.cuda_graphs import (
 )
 from cbpipe.worker.sampler import prompt_logprobs
 from cbpipe.worker.sampling_state import SamplingState
-from cbpipe.worker.step_sampling import DeviceSlot, StepSampling, device_slot
+from cbpipe.worker.step_sampling import DeviceSlot, StepSampling, device_slot, real_rows
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +235,6 @@ class StepRunner:
         max_seqs = layout.limits.max_seqs
         # Sampling too compiles in graphs (every variant at capture), never in eager steps.
         self.sampling = StepSampling(sampling_state, max_seqs, device, compiled=compile_decode)
-        self.state = self.sampling.state
-        self.last_sampled = self.sampling.last_sampled
         self._row_ids = torch.arange(max_seqs, device=device)
         self._last_slot: int | None = None
         self.graphs = DecodeGraphs()
@@ -398,6 +396,16 @@ class StepRunner:
             header=hosts["inputs"][: layout.fields["header"].nbytes].numpy().view(np.int64),
             host_inputs=numpy_views(host.numpy().data, layout, slot).inputs,
         )
+
+    @property
+    def state(self) -> SamplingState:
+        """The full sampler's per-request rows."""
+        return self.sampling.state
+
+    @property
+    def last_sampled(self) -> torch.Tensor:
+        """The sampled ids of the step launched last, which the next step's carry-over reads."""
+        return self.sampling.last_sampled
 
     def recalibrate_clock(self) -> None:
         """Anchor the device clock anew if the device is idle (nothing launched is still
@@ -665,7 +673,7 @@ class StepRunner:
         """The forward of a padded decode-only step: logits ``[batch, vocab]``, which rows are
         real (``[batch]`` bool) and the rows' input ids after carry-over."""
         inputs = slot.inputs
-        valid = self._row_ids[:batch] < inputs.header[_NUM_SEQS]  # [batch]
+        valid = real_rows(slot, self._row_ids, batch)
         input_ids = self._carry_over(inputs, batch, valid)
         slot_mapping = torch.where(valid, inputs.slot_mapping[:batch], self.kv_cache.padding_slot)
         context_lens = torch.where(valid, inputs.context_lens[:batch], 0)

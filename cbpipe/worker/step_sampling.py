@@ -19,6 +19,7 @@ import torch
 from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
+    HEADER_FIELDS,
     FieldLayout,
     Region,
     SlotLayout,
@@ -36,6 +37,8 @@ from cbpipe.worker.sampler import (
     sample_full,
 )
 from cbpipe.worker.sampling_state import SamplingState
+
+_NUM_SEQS = HEADER_FIELDS.index("num_seqs")
 
 Sampler = Callable[[torch.Tensor, SamplingInputs], tuple[torch.Tensor, torch.Tensor]]
 FullSampler = Callable[..., FullSample]
@@ -69,6 +72,12 @@ def device_slot(layout: SlotLayout, device: torch.device) -> DeviceSlot:
         extras=typed_views(regions["extras"], layout, StepExtras, "extras"),
         outputs=typed_views(regions["outputs"], layout, StepOutputs, "outputs"),
     )
+
+
+def real_rows(slot: DeviceSlot, row_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """Which of a padded decode body's ``batch`` rows are the step's own (``[batch]`` bool),
+    from the slot header's device copy; ``row_ids`` is ``arange`` over the slot's rows."""
+    return row_ids[:batch] < slot.inputs.header[_NUM_SEQS]
 
 
 def typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Region) -> Any:
