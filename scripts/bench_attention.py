@@ -90,7 +90,7 @@ class Problem:
 
     @property
     def scale(self) -> float:
-        return HEAD_DIM**-0.5
+        return self.query.shape[-1] ** -0.5
 
 
 @dataclass
@@ -104,18 +104,20 @@ class Row:
     num_splits: int | None = None
 
 
-def make_problem(batch: int, context: int, device: torch.device) -> Problem:
+def make_problem(
+    batch: int, context: int, device: torch.device, head_dim: int = HEAD_DIM
+) -> Problem:
     from cbpipe.worker.attention import GatheredRows, KVCache, PagedStep
 
     width = -(-context // BLOCK_SIZE)
     num_blocks = batch * width
     slots = num_blocks * BLOCK_SIZE
-    key_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    key_cache = torch.randn(slots, NUM_KV_HEADS, head_dim, dtype=DTYPE, device=device)
     value_cache = torch.randn_like(key_cache)
     tables = torch.randperm(num_blocks, device=device).to(torch.int32)
     header = torch.tensor([0, width], dtype=torch.int64, device=device)
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    query = torch.randn(batch, NUM_HEADS, head_dim, dtype=DTYPE, device=device)
     paged = PagedStep.build(
         KVCache([key_cache], [value_cache], BLOCK_SIZE, num_blocks),
         slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),  # not written here
@@ -183,13 +185,15 @@ def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor, spin: boo
     return statistics.median(times)
 
 
-def kv_bytes(batch: int, context: int) -> int:
+def kv_bytes(batch: int, context: int, head_dim: int = HEAD_DIM) -> int:
     # Keys and values, one layer, every attended token.
-    return 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize * batch * context
+    return 2 * NUM_KV_HEADS * head_dim * DTYPE.itemsize * batch * context
 
 
-def row(impl: str, batch: int, context: int, ms: float, copy_bw: float, **extra: int) -> Row:
-    rate = kv_bytes(batch, context) / (ms / 1e3)
+def row(
+    impl: str, batch: int, context: int, ms: float, copy_bw: float, head_dim: int, **extra: int
+) -> Row:
+    rate = kv_bytes(batch, context, head_dim) / (ms / 1e3)
     return Row(impl, batch, context, ms, rate / 1e9, rate / copy_bw, **extra)
 
 
@@ -233,20 +237,31 @@ def graph_vs_eager(device: torch.device, iters: int) -> dict[str, float]:
     }
 
 
-def sweep(device: torch.device, iters: int, flush: torch.Tensor) -> list[dict[str, object]]:
+# (batch, context) pairs of --sweep, unless --sweep-cases names others.
+SWEEP_CASES = "4x8192,32x2048,32x8192,256x512,256x2048"
+
+
+def sweep(
+    device: torch.device, iters: int, flush: torch.Tensor, cases: str, head_dim: int
+) -> list[dict[str, object]]:
     """The kernel over launch settings, for the module's constants (module attributes)."""
     import cbpipe.worker.kernels.paged_decode as kernel
 
     saved = (kernel._MAX_BLOCK_N, kernel._NUM_WARPS, kernel._NUM_STAGES)
     results = []
-    for batch, context in [(4, 8192), (32, 2048), (32, 8192), (256, 512), (256, 2048)]:
-        p = make_problem(batch, context, device)
-        print(f"sweep batch {batch} context {context}", flush=True)
-        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
+    for case in cases.split(","):
+        batch, context = map(int, case.split("x"))
+        p = make_problem(batch, context, device, head_dim)
+        print(f"sweep batch {batch} context {context} head_dim {head_dim}", flush=True)
+        for block_n, warps, stages in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)):
             kernel._MAX_BLOCK_N, kernel._NUM_WARPS, kernel._NUM_STAGES = block_n, warps, stages
             for splits in (1, 2, 3, 4, 8, 16, 32):
-                ms = time_ms(lambda p=p, s=splits: triton_attention(p, s), iters, flush)
-                gbs = kv_bytes(batch, context) / ms / 1e6
+                try:
+                    ms = time_ms(lambda p=p, s=splits: triton_attention(p, s), iters, flush)
+                except Exception as error:  # noqa: BLE001 (a setting that does not fit: skip it)
+                    print(f"   block_n {block_n} warps {warps} stages {stages}: {error!r:.120}")
+                    break
+                gbs = kv_bytes(batch, context, head_dim) / ms / 1e6
                 results.append(
                     dict(batch=batch, context=context, block_n=block_n, warps=warps)
                     | dict(stages=stages, splits=splits, ms=ms, kv_gb_per_s=gbs)
@@ -496,6 +511,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's settings")
     parser.add_argument(
+        "--sweep-cases", default=SWEEP_CASES, help="BATCHxCONTEXT pairs the sweep times"
+    )
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=HEAD_DIM,
+        help="the decode cases' head size (64: Llama-3.2-1B's, with the same 32/8 heads)",
+    )
+    parser.add_argument(
         "--decode", action=argparse.BooleanOptionalAction, default=True, help="decode cases"
     )
     parser.add_argument(
@@ -538,15 +562,17 @@ def main() -> None:
     rows: list[Row] = []
     for batch in map(int, args.batches.split(",")) if args.decode else ():
         for context in map(int, args.contexts.split(",")):
-            p = make_problem(batch, context, device)
+            p = make_problem(batch, context, device, args.head_dim)
             err = (triton_attention(p).float() - gather_sdpa_attention(p).float()).abs().max()
             if err.item() > 2e-2:
                 sys.exit(f"batch {batch} context {context}: the two paths differ by {err:.3g}")
             splits = default_num_splits(batch, NUM_KV_HEADS, device)
             ms = time_ms(lambda p=p: triton_attention(p), args.iters, flush)
-            rows.append(row("triton", batch, context, ms, copy_bw, num_splits=splits))
+            rows.append(
+                row("triton", batch, context, ms, copy_bw, args.head_dim, num_splits=splits)
+            )
             ms = time_ms(lambda p=p: gather_sdpa_attention(p), args.iters, flush)
-            rows.append(row("gather+sdpa", batch, context, ms, copy_bw))
+            rows.append(row("gather+sdpa", batch, context, ms, copy_bw, args.head_dim))
             del p
             torch.cuda.empty_cache()
 
@@ -578,7 +604,11 @@ def main() -> None:
         )
 
     prefill_rows = prefill_section(device, args.iters, flush) if args.prefill else None
-    sweep_rows = sweep(device, max(5, args.iters // 2), flush) if args.sweep else None
+    sweep_rows = (
+        sweep(device, max(5, args.iters // 2), flush, args.sweep_cases, args.head_dim)
+        if args.sweep
+        else None
+    )
     prefill_sweep_rows = (
         prefill_sweep(device, max(5, args.iters // 2), flush) if args.prefill_sweep else None
     )

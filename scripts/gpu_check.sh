@@ -14,6 +14,9 @@
 #            with and without --fuse-projections                                 (~1 min)
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
 #            out as a server's lockstep batch has them (--engine-block-layout)   (~2 min)
+#   step1b   the 1B x256 decode step: the attention kernel at head_dim 64 (batch 256, context
+#            640, the bench part's mean) against gather+SDPA with a sweep of its settings, then
+#            one decode step of random:llama-1b x256 at context 640, compiled, profiled (~3 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync, with the default flags (the decode forward compiled:
 #            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
@@ -258,6 +261,20 @@ if want layout; then
         done
     } 2>&1 | tee "$OUT/layout.log"
     rcs+=("layout=$(grep '^exit code' "$OUT/layout.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want step1b; then
+    {
+        section "attention kernel, head_dim 64, batch 256, context 640, with a sweep"
+        timeout -k 10 240 "$PY" scripts/bench_attention.py --no-prefill --head-dim 64 \
+            --batches 256 --contexts 640 --sweep --sweep-cases 256x640 --json "$OUT/attention_1b.json"
+        echo "exit code $?"
+        section "one decode step, random:llama-1b x256, context 640, --compile-decode"
+        timeout -k 10 240 "$PY" scripts/profile_step.py --model random:llama-1b --batch 256 \
+            --context 640 --steps 30 --compile-decode 2>&1 | grep -v '^USDT' | head -60
+        echo "exit code ${PIPESTATUS[0]}"
+    } 2>&1 | tee "$OUT/step1b.log"
+    rcs+=("step1b=$(grep '^exit code' "$OUT/step1b.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want bench; then
