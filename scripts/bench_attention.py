@@ -137,7 +137,9 @@ def make_problem(
     return Problem(query, key_cache, value_cache, tables, header[1:], context_lens, gathered)
 
 
-def triton_attention(p: Problem, num_splits: int | None = None) -> torch.Tensor:
+def triton_attention(
+    p: Problem, num_splits: int | None = None, heads_per_program: int | None = None
+) -> torch.Tensor:
     from cbpipe.worker.kernels.paged_decode import paged_decode_attention
 
     return paged_decode_attention(
@@ -150,6 +152,7 @@ def triton_attention(p: Problem, num_splits: int | None = None) -> torch.Tensor:
         block_size=BLOCK_SIZE,
         scale=p.scale,
         num_splits=num_splits,
+        heads_per_program=heads_per_program,
     )
 
 
@@ -247,23 +250,30 @@ def sweep(
     """The kernel over launch settings, for the module's constants (module attributes)."""
     import cbpipe.worker.kernels.paged_decode as kernel
 
-    saved = (kernel._MAX_BLOCK_N, kernel._NUM_WARPS, kernel._NUM_STAGES)
+    saved = (kernel._MAX_BLOCK_N, kernel._NUM_WARPS, kernel._NUM_STAGES, kernel._TILE_BYTES)
+    kernel._TILE_BYTES = 1 << 20  # the tile is _MAX_BLOCK_N; one too large for memory fails
+    # Heads per program up to a packed head of 256 dims (1 alone at head_dim 256).
+    packs = [pack for pack in (1, 2, 4, 8) if pack == 1 or pack * head_dim <= 256]
     results = []
     for case in cases.split(","):
         batch, context = map(int, case.split("x"))
         p = make_problem(batch, context, device, head_dim)
         print(f"sweep batch {batch} context {context} head_dim {head_dim}", flush=True)
-        for block_n, warps, stages in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)):
+        settings = itertools.product(packs, (32, 64, 128), (2, 4, 8), (2, 3))
+        for pack, block_n, warps, stages in settings:
             kernel._MAX_BLOCK_N, kernel._NUM_WARPS, kernel._NUM_STAGES = block_n, warps, stages
-            for splits in (1, 2, 3, 4, 8, 16, 32):
+            for splits in (1, 2, 4) if batch >= 64 else (1, 2, 4, 8, 16):
                 try:
-                    ms = time_ms(lambda p=p, s=splits: triton_attention(p, s), iters, flush)
+                    ms = time_ms(
+                        lambda p=p, s=splits, h=pack: triton_attention(p, s, h), iters, flush
+                    )
                 except Exception as error:  # noqa: BLE001 (a setting that does not fit: skip it)
-                    print(f"   block_n {block_n} warps {warps} stages {stages}: {error!r:.120}")
+                    print(f"   pack {pack} block_n {block_n} warps {warps} stages {stages}: "
+                          f"{error!r:.120}")  # fmt: skip
                     break
                 gbs = kv_bytes(batch, context, head_dim) / ms / 1e6
                 results.append(
-                    dict(batch=batch, context=context, block_n=block_n, warps=warps)
+                    dict(batch=batch, context=context, pack=pack, block_n=block_n, warps=warps)
                     | dict(stages=stages, splits=splits, ms=ms, kv_gb_per_s=gbs)
                 )
         del p
@@ -273,7 +283,7 @@ def sweep(
         )[:5]
         for r in best:
             print("  ", r, flush=True)
-    kernel._MAX_BLOCK_N, kernel._NUM_WARPS, kernel._NUM_STAGES = saved
+    kernel._MAX_BLOCK_N, kernel._NUM_WARPS, kernel._NUM_STAGES, kernel._TILE_BYTES = saved
     return results
 
 
@@ -547,7 +557,7 @@ def main() -> None:
     import triton
 
     from cbpipe.roofline import copy_bandwidth
-    from cbpipe.worker.kernels.paged_decode import default_num_splits
+    from cbpipe.worker.kernels.paged_decode import default_heads_per_program, default_num_splits
 
     device = torch.device("cuda")
     copy_bw = copy_bandwidth(device)
@@ -566,7 +576,8 @@ def main() -> None:
             err = (triton_attention(p).float() - gather_sdpa_attention(p).float()).abs().max()
             if err.item() > 2e-2:
                 sys.exit(f"batch {batch} context {context}: the two paths differ by {err:.3g}")
-            splits = default_num_splits(batch, NUM_KV_HEADS, device)
+            pack = default_heads_per_program(args.head_dim, NUM_KV_HEADS)
+            splits = default_num_splits(batch, NUM_KV_HEADS // pack, device)
             ms = time_ms(lambda p=p: triton_attention(p), args.iters, flush)
             rows.append(
                 row("triton", batch, context, ms, copy_bw, args.head_dim, num_splits=splits)

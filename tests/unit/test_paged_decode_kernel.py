@@ -52,6 +52,7 @@ class Case:
     softcap: float | None = None
     sinks: bool = False
     variant_matters: bool = True  # the variant moves the output (checked against the plain one)
+    heads_per_program: int | None = None  # adjacent KV heads a program packs; None: the default
 
 
 def _edges(block_size: int) -> tuple[int, ...]:
@@ -118,6 +119,54 @@ CPU_CASES = [
     Case(
         "gpt-oss-like-bf16", "bfloat16", 16, (40, 0, 17, 150), 2, 4, 64, 3, window=32, sinks=True
     ),  # fmt: skip
+    # Packed heads: one program for 1, 2 or 4 adjacent KV heads (the default packs head_dim
+    # 64 in pairs, so the cases above with two KV heads of 64 run packed; these pin it).
+    Case("unpacked-d64-fp32", "float32", 16, _edges(16), 2, 4, 64, 1, heads_per_program=1),
+    Case("unpacked-d64-bf16-split3", "bfloat16", 16, (70, 0, 15), 4, 4, 64, 3, heads_per_program=1),
+    Case("packed2-g1-fp32", "float32", 16, (1, 33, 0, 130), 4, 1, 64, 1, heads_per_program=2),
+    Case(
+        "packed4-d32-fp32-split3", "float32", 8, (0, 9, 100, 64), 4, 2, 32, 3, heads_per_program=4
+    ),
+    Case("packed4-g8-bf16", "bfloat16", 16, (50, 1, 129), 4, 8, 32, 2, heads_per_program=4),
+    Case(
+        "packed2-strided-query-out",
+        "float32",
+        16,
+        (30, 100),
+        4,
+        4,
+        64,
+        2,
+        9,
+        True,
+        True,
+        heads_per_program=2,
+    ),  # fmt: skip
+    Case(
+        "packed2-window-sinks-fp32",
+        "float32",
+        16,
+        (1, 17, 130, 0, 64),
+        4,
+        4,
+        64,
+        2,
+        window=20,
+        sinks=True,
+        heads_per_program=2,
+    ),  # fmt: skip
+    Case(
+        "packed2-softcap-bf16",
+        "bfloat16",
+        16,
+        (40, 0, 150),
+        2,
+        2,
+        64,
+        1,
+        softcap=0.7,
+        heads_per_program=2,
+    ),  # fmt: skip
 ]
 
 GPU_CASES = [
@@ -169,6 +218,22 @@ GPU_CASES = [
     Case(
         "gpt-oss-full-sinks-bf16", "bfloat16", 16, (5000, 129, 1), 8, 8, 64, None, sinks=True
     ),  # fmt: skip
+    # Llama-3.2-1B's attention at a server's batch, packed by default and not.
+    Case("llama1b-bf16-batch256", "bfloat16", 16, tuple(range(1, 256 * 5, 5)), 8, 4, 64, None),
+    Case(
+        "llama1b-bf16-unpacked",
+        "bfloat16",
+        16,
+        (640, 1, 0, 129),
+        8,
+        4,
+        64,
+        None,
+        heads_per_program=1,
+    ),  # fmt: skip
+    Case(
+        "llama1b-bf16-packed8", "bfloat16", 16, (640, 1, 0, 129), 8, 4, 64, 2, heads_per_program=8
+    ),
 ]
 # (sequence, KV head) pairs, SMs, and the split count the default heuristic should give.
 SPLIT_HEURISTIC = [(256, 132, 1), (132, 132, 1), (2048, 132, 1), (128, 132, 3), (32, 132, 9)]
@@ -234,7 +299,7 @@ def check_case(case: Case, device: torch.device) -> dict[str, object]:
     variant: dict[str, Any] = dict(sliding_window=case.window, softcap=case.softcap, sinks=x.sinks)
     got = paged_decode_attention(
         *args, block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out,
-        **variant,
+        heads_per_program=case.heads_per_program, **variant,
     )  # fmt: skip
     want = paged_decode_reference(*args, block_size=case.block_size, scale=scale, **variant)
     plain = paged_decode_reference(*args, block_size=case.block_size, scale=scale)
@@ -272,7 +337,32 @@ def _interpreter_main() -> None:
 
     results = check_each(CPU_CASES, lambda case: check_case(case, torch.device("cpu")))
     results["num_splits_for"] = [num_splits_for(pairs, sms) for pairs, sms, _ in SPLIT_HEURISTIC]
+    results["bad_packing"] = _bad_packing_errors()
     emit(results)
+
+
+def _bad_packing_errors() -> list[str]:
+    """The errors of packings the caches do not allow (empty string: it ran)."""
+    from cbpipe.worker.kernels.paged_decode import paged_decode_attention
+
+    errors = []
+    for num_kv_heads, head_dim, pack, strided in [(4, 64, 3, False), (2, 64, 4, False)] + [
+        (4, 80, 2, False),
+        (4, 64, 2, True),
+    ]:
+        query = torch.randn(1, num_kv_heads, head_dim)
+        cache = torch.randn(16, num_kv_heads, head_dim + 8 if strided else head_dim)
+        cache = cache[..., :head_dim]
+        try:
+            paged_decode_attention(
+                query, cache, cache, torch.zeros(1, dtype=torch.int32),
+                torch.ones(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32),
+                block_size=16, scale=1.0, heads_per_program=pack,
+            )  # fmt: skip
+            errors.append("")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +382,20 @@ def test_interpreter_matches_reference(case: Case, interpreter_results: dict[str
 def test_default_split_heuristic(interpreter_results: dict[str, Any]) -> None:
     want = [splits for _, _, splits in SPLIT_HEURISTIC]
     assert interpreter_results["num_splits_for"] == want
+
+
+def test_packing_the_caches_do_not_allow_is_refused(interpreter_results: dict[str, Any]) -> None:
+    """3 does not divide 4 heads; 2 heads cannot make 4; head_dim 80 leaves gaps; nor do
+    rows that are views into wider ones: each is a ValueError, never a wrong answer."""
+    errors = interpreter_results["bad_packing"]
+    assert all("heads_per_program" in error for error in errors), errors
+
+
+def test_default_packing() -> None:
+    from cbpipe.worker.kernels.paged_decode import default_heads_per_program
+
+    assert [default_heads_per_program(d, 8) for d in (32, 64, 128, 256)] == [4, 2, 1, 1]
+    assert default_heads_per_program(64, 1) == 1  # one KV head (a tensor-parallel rank's)
 
 
 @pytest.mark.gpu

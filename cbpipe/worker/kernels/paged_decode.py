@@ -29,6 +29,14 @@ Design:
   32 (256 pairs, about two per SM) one split was already the fastest, at about 4.1 TB/s, with
   128-token tiles and two pipeline stages keeping enough loads in flight. Hence the default:
   split only when the pairs do not cover the SMs.
+* Small heads are packed (``heads_per_program``): with head_dim 64 a (token, KV head) row of
+  the cache is 128 bytes, and a program per KV head gathers the cache in rows that short. A
+  program instead takes ``P`` adjacent KV heads, whose rows lie side by side in a slot, and
+  treats them as one head of ``P * head_dim``: its query tile holds the ``P * G`` query
+  heads, each row zero outside its own head's dims, so a row's scores against the packed
+  keys are its own head's scores, and of the packed output row only its own head's dims are
+  stored. The products do ``P`` times the work of the rows that count, on tensor-core tiles
+  that were mostly padding anyway; the loads are ``P`` times longer and ``P`` times fewer.
 * Softmax runs in float32 in the base-2 domain (the scale is multiplied by log2(e) once), the
   usual online-softmax rescaling across tiles.
 * A layer's variant (``tiles.py``): with a sliding window the splits divide the keys from
@@ -70,6 +78,8 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Programs per SM that a split launch aims for, when the unsplit pairs are fewer than the SMs.
 _SPLIT_PROGRAMS_PER_SM = 2
+# KV heads a program takes by default: adjacent heads until they span this many dims.
+_PACKED_HEAD_DIM = 128
 
 
 # The split count follows the batch size; specialising on it would compile variants mid-run.
@@ -105,6 +115,7 @@ def _split_kv_kernel(
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PACK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -114,19 +125,25 @@ def _split_kv_kernel(
     INTERPRETED: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) * PACK  # the first of the program's PACK KV heads
     split = tl.program_id(2)
     io_dtype = q_ptr.dtype.element_ty
 
+    # Rows: the PACK * GROUP query heads, which are consecutive. Dims: the PACK heads' dims
+    # side by side (with PACK > 1 the host has checked that they are contiguous in a slot).
     rows = tl.arange(0, BLOCK_G)
-    dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < GROUP
-    dim_ok = dims < HEAD_DIM
+    dims = tl.arange(0, PACK * BLOCK_D)
+    row_ok = rows < PACK * GROUP
+    dim_ok = dims % BLOCK_D < HEAD_DIM
     heads = kv_head * GROUP + rows
+    # A row's own head's dims: the only ones its query holds and its output keeps.
+    own = (rows // GROUP)[:, None] == (dims // BLOCK_D)[None, :]
+    head_dims = (dims % BLOCK_D)[None, :]
+    row_mask = row_ok[:, None] & dim_ok[None, :] & own
 
     q = tl.load(
-        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
-        mask=row_ok[:, None] & dim_ok[None, :],
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + head_dims,
+        mask=row_mask,
         other=0.0,
     )
     if INTERPRETED:
@@ -156,7 +173,7 @@ def _split_kv_kernel(
                 * 1.4426950408889634
             )
             l_i = tl.full([BLOCK_G], 1.0, dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, PACK * BLOCK_D], dtype=tl.float32)
     k_head = k_ptr + kv_head * stride_k_head
     v_head = v_ptr + kv_head * stride_v_head
     row_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (context_len - 1)  # for the window only
@@ -171,15 +188,19 @@ def _split_kv_kernel(
         # One split: an empty sequence leaves l_i = 0 and acc = 0: its output is zeros.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
+            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + head_dims,
             out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & dim_ok[None, :],
+            mask=row_mask,
         )
     else:
         part = (seq * num_heads + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(
+            part_acc_ptr + part[:, None] * BLOCK_D + head_dims,
+            acc,
+            mask=row_ok[:, None] & own,
+        )
 
 
 @jit_varying("num_splits")
@@ -244,13 +265,38 @@ def num_splits_for(num_pairs: int, num_sms: int) -> int:
     return min(_MAX_SPLITS, triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, max(1, num_pairs)))
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+def default_num_splits(num_seqs: int, programs_per_seq: int, device: torch.device) -> int:
     """Splits per sequence from host-known sizes only (never from device values).
 
-    Off CUDA (the interpreter) one SM is assumed, so that is always one split.
+    ``programs_per_seq``: the KV heads over the heads each program takes. Off CUDA (the
+    interpreter) one SM is assumed, so that is always one split.
     """
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-    return num_splits_for(num_seqs * num_kv_heads, sms)
+    return num_splits_for(num_seqs * programs_per_seq, sms)
+
+
+def packable_heads(
+    head_dim: int, num_kv_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> int:
+    """The most KV heads one program may take: 1 unless their rows lie side by side.
+
+    Packing needs each head's dims to fill their power-of-two tile exactly and the heads of a
+    slot to follow one another in both caches; then any power of two dividing the KV heads.
+    """
+    contiguous = all(
+        cache.stride(1) == head_dim and cache.stride(2) == 1 for cache in (key_cache, value_cache)
+    )
+    if head_dim != triton.next_power_of_2(head_dim) or not contiguous:
+        return 1
+    return num_kv_heads & -num_kv_heads  # the largest power of two dividing it
+
+
+def default_heads_per_program(head_dim: int, most: int) -> int:
+    """Adjacent KV heads per program, up to ``most``: until they span ``_PACKED_HEAD_DIM``."""
+    pack = 1
+    while pack * head_dim < _PACKED_HEAD_DIM and pack * 2 <= most:
+        pack *= 2
+    return pack
 
 
 def paged_decode_attention(
@@ -267,6 +313,7 @@ def paged_decode_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
+    heads_per_program: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's one query token to its cached keys and values.
@@ -291,6 +338,9 @@ def paged_decode_attention(
         sinks: ``[num_heads]`` logits, one per head, that join each row's softmax with no
             value (gpt-oss); any float dtype.
         num_splits: key ranges per sequence; None picks ``default_num_splits``.
+        heads_per_program: adjacent KV heads one program attends for (a power of two that
+            divides the KV heads, >1 only where ``packable_heads`` allows it); None picks
+            ``default_heads_per_program``.
         out: optional ``[num_seqs, num_heads, head_dim]`` output of the query's dtype.
 
     Returns:
@@ -312,8 +362,17 @@ def paged_decode_attention(
     out = output_for(query, out)
     if query.stride(2) != 1:
         query = query.contiguous()
+    most = packable_heads(head_dim, num_kv_heads, key_cache, value_cache)
+    if heads_per_program is None:
+        heads_per_program = default_heads_per_program(head_dim, most)
+    if heads_per_program < 1 or most % heads_per_program:
+        raise ValueError(
+            f"heads_per_program {heads_per_program} does not divide {most}, the most KV heads "
+            f"these caches let one program take (head_dim {head_dim}, {num_kv_heads} KV heads)"
+        )
+    num_programs = num_kv_heads // heads_per_program
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, query.device)
+        num_splits = default_num_splits(num_seqs, num_programs, query.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be positive, got {num_splits}")
     check_variant(sliding_window, softcap, sinks, num_heads, query.device)
@@ -321,10 +380,10 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
-    block_g = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
+    block_g = max(_MIN_DOT_ROWS, triton.next_power_of_2(group * heads_per_program))
     block_d = max(16, triton.next_power_of_2(head_dim))
     itemsize = max(query.element_size(), key_cache.element_size())
-    block_n = max(16, min(_MAX_BLOCK_N, _TILE_BYTES // (block_d * itemsize)))
+    block_n = max(16, min(_MAX_BLOCK_N, _TILE_BYTES // (heads_per_program * block_d * itemsize)))
     if num_splits == 1:
         # Never read: the split kernel writes the output directly.
         part_max = part_sum = part_acc = out
@@ -337,7 +396,7 @@ def paged_decode_attention(
             (num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device
         )
 
-    _split_kv_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _split_kv_kernel[(num_seqs, num_programs, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -365,6 +424,7 @@ def paged_decode_attention(
         BLOCK_G=block_g,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
+        PACK=heads_per_program,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         WINDOW=sliding_window or 0,
