@@ -15,8 +15,9 @@
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
 #            out as a server's lockstep batch has them (--engine-block-layout)   (~2 min)
 #   step1b   the 1B x256 decode step: the attention kernel at head_dim 64 (batch 256, context
-#            640, the bench part's mean) against gather+SDPA with a sweep of its settings, then
-#            one decode step of random:llama-1b x256 at context 640, compiled, profiled (~3 min)
+#            640, the bench part's mean) against gather+SDPA with a sweep of its settings (heads
+#            per program among them), the 8B's head_dim 128 without one, then one decode
+#            step of random:llama-1b x256 at context 640, compiled, profiled       (~5 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync, with the default flags (the decode forward compiled:
 #            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
@@ -268,6 +269,10 @@ if want step1b; then
         section "attention kernel, head_dim 64, batch 256, context 640, with a sweep"
         timeout -k 10 240 "$PY" scripts/bench_attention.py --no-prefill --head-dim 64 \
             --batches 256 --contexts 640 --sweep --sweep-cases 256x640 --json "$OUT/attention_1b.json"
+        echo "exit code $?"
+        section "attention kernel, head_dim 128 (the 8B's), batches 32 and 256, no sweep"
+        timeout -k 10 120 "$PY" scripts/bench_attention.py --no-prefill --batches 32,256 \
+            --contexts 640,4096
         echo "exit code $?"
         section "one decode step, random:llama-1b x256, context 640, --compile-decode"
         timeout -k 10 240 "$PY" scripts/profile_step.py --model random:llama-1b --batch 256 \
