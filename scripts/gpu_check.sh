@@ -64,6 +64,9 @@
 #
 # Knobs (environment):
 #   PARTS=tests,micro,bench  parts to run
+#   STEP1B_SWEEP64=256x640 BATCHxCONTEXT cases of step1b's head_dim 64 sweep (empty: none)
+#   STEP1B_SWEEP128=       BATCHxCONTEXT cases (comma list) of a head_dim 128 sweep in step1b
+#   STEP1B_PROFILE=1       0: step1b without its compiled 1B step profile
 #   BENCH_SCALE=1          divides every benchmark output length (2, 4, ... when time is short)
 #   BENCH_OUTPUT_LEN=1024  output tokens per request in the bench part, before scaling
 #   BENCH_1B_REQUESTS=256  requests in the bench part's llama-1b run
@@ -266,18 +269,25 @@ fi
 
 if want step1b; then
     {
-        section "attention kernel, head_dim 64, batch 256, context 640, with a sweep"
+        sweep64=${STEP1B_SWEEP64-256x640}
+        section "attention kernel, head_dim 64, batch 256, context 640" \
+            "${sweep64:+with a sweep of $sweep64}"
         timeout -k 10 240 "$PY" scripts/bench_attention.py --no-prefill --head-dim 64 \
-            --batches 256 --contexts 640 --sweep --sweep-cases 256x640 --json "$OUT/attention_1b.json"
+            --batches 256 --contexts 640 ${sweep64:+--sweep --sweep-cases "$sweep64"} \
+            --json "$OUT/attention_1b.json"
         echo "exit code $?"
-        section "attention kernel, head_dim 128 (the 8B's), batches 32 and 256, no sweep"
-        timeout -k 10 120 "$PY" scripts/bench_attention.py --no-prefill --batches 32,256 \
-            --contexts 640,4096
+        section "attention kernel, head_dim 128 (the 8B's), batches 32 and 256" \
+            "${STEP1B_SWEEP128:+with a sweep of $STEP1B_SWEEP128}"
+        timeout -k 10 300 "$PY" scripts/bench_attention.py --no-prefill --batches 32,256 \
+            --contexts 640,4096 ${STEP1B_SWEEP128:+--sweep --sweep-cases "$STEP1B_SWEEP128"} \
+            --json "$OUT/attention_128.json"
         echo "exit code $?"
-        section "one decode step, random:llama-1b x256, context 640, --compile-decode"
-        timeout -k 10 240 "$PY" scripts/profile_step.py --model random:llama-1b --batch 256 \
-            --context 640 --steps 30 --compile-decode 2>&1 | grep -v '^USDT' | head -60
-        echo "exit code ${PIPESTATUS[0]}"
+        if [ "${STEP1B_PROFILE:-1}" = 1 ]; then
+            section "one decode step, random:llama-1b x256, context 640, --compile-decode"
+            timeout -k 10 240 "$PY" scripts/profile_step.py --model random:llama-1b --batch 256 \
+                --context 640 --steps 30 --compile-decode 2>&1 | grep -v '^USDT' | head -60
+            echo "exit code ${PIPESTATUS[0]}"
+        fi
     } 2>&1 | tee "$OUT/step1b.log"
     rcs+=("step1b=$(grep '^exit code' "$OUT/step1b.log" | awk '{print $3}' | paste -sd/ -)")
 fi
