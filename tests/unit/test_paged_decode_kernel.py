@@ -348,6 +348,7 @@ def _bad_packing_errors() -> list[str]:
     errors = []
     for num_kv_heads, head_dim, pack, strided in [(4, 64, 3, False), (2, 64, 4, False)] + [
         (4, 80, 2, False),
+        (4, 8, 2, False),
         (4, 64, 2, True),
     ]:
         query = torch.randn(1, num_kv_heads, head_dim)
@@ -385,8 +386,9 @@ def test_default_split_heuristic(interpreter_results: dict[str, Any]) -> None:
 
 
 def test_packing_the_caches_do_not_allow_is_refused(interpreter_results: dict[str, Any]) -> None:
-    """3 does not divide 4 heads; 2 heads cannot make 4; head_dim 80 leaves gaps; nor do
-    rows that are views into wider ones: each is a ValueError, never a wrong answer."""
+    """3 does not divide 4 heads; 2 heads cannot make 4; head_dim 80 leaves gaps, and 8 a
+    padded tile of 16; nor do rows that are views into wider ones: each is a ValueError, never
+    a wrong answer."""
     errors = interpreter_results["bad_packing"]
     assert all("heads_per_program" in error for error in errors), errors
 

@@ -275,18 +275,24 @@ def default_num_splits(num_seqs: int, programs_per_seq: int, device: torch.devic
     return num_splits_for(num_seqs * programs_per_seq, sms)
 
 
+def _head_tile(head_dim: int) -> int:
+    """The dims of one head's tile: a power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def packable_heads(
     head_dim: int, num_kv_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor
 ) -> int:
     """The most KV heads one program may take: 1 unless their rows lie side by side.
 
-    Packing needs each head's dims to fill their power-of-two tile exactly and the heads of a
-    slot to follow one another in both caches; then any power of two dividing the KV heads.
+    Packing needs each head's dims to fill their tile exactly (``_head_tile``) and the heads
+    of a slot to follow one another in both caches; then any power of two dividing the KV
+    heads.
     """
     contiguous = all(
         cache.stride(1) == head_dim and cache.stride(2) == 1 for cache in (key_cache, value_cache)
     )
-    if head_dim != triton.next_power_of_2(head_dim) or not contiguous:
+    if head_dim != _head_tile(head_dim) or not contiguous:
         return 1
     return num_kv_heads & -num_kv_heads  # the largest power of two dividing it
 
@@ -381,7 +387,7 @@ def paged_decode_attention(
 
     group = num_heads // num_kv_heads
     block_g = max(_MIN_DOT_ROWS, triton.next_power_of_2(group * heads_per_program))
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = _head_tile(head_dim)
     itemsize = max(query.element_size(), key_cache.element_size())
     block_n = max(16, min(_MAX_BLOCK_N, _TILE_BYTES // (heads_per_program * block_d * itemsize)))
     if num_splits == 1:
