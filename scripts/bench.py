@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import random
 import signal
@@ -99,6 +100,8 @@ class ModeResult:
     decode_s: float | None = None  # their device time
     decode_floor_s: float | None = None  # their bytes over the measured bandwidth
     floor_ratio: float | None = None  # decode_s / decode_floor_s
+    # With --rehearse: requests whose tokens equal the rehearsal's, on the same engine
+    same_as_rehearsal: int | None = None
 
 
 # --- arguments and workload -----------------------------------------------------------------
@@ -136,6 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run each mode again with --no-prefix-caching",
     )
     p.add_argument("--modes", type=_modes, default=MODES, help="comma list of async, sync")
+    p.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="run each mode's workload twice on its engine and report the second run, with "
+        "how many requests generated the same tokens both times: the mode's agreement with "
+        "itself, where only the moments requests reach the scheduler differ",
+    )
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
@@ -301,7 +311,13 @@ def _run_on(
         vocab = client.vocab_size
         warm_up(client, vocab)
         prompts = workload.prompts(vocab)
-        return measure(client, mode, prompts, workload.output_lens, startup_s, args.timeout)
+        run = functools.partial(measure, client, mode, prompts, workload.output_lens, startup_s)
+        if not args.rehearse:
+            return run(args.timeout)
+        _, rehearsed = run(args.timeout)
+        result, outputs = run(args.timeout)
+        same = sum(a == b for a, b in zip(rehearsed, outputs, strict=True))
+        return replace(result, same_as_rehearsal=same), outputs
 
 
 def warm_up(client: Client, vocab: int) -> None:
@@ -401,6 +417,7 @@ ROWS = (
     ("decode-only device s", "decode_s", "{:.2f}"),
     ("decode floor s", "decode_floor_s", "{:.2f}"),
     ("x floor", "floor_ratio", "{:.2f}"),
+    ("same as rehearsal", "same_as_rehearsal", "{}"),
 )
 
 
