@@ -1,6 +1,7 @@
 """Decode and prefill attention alone on the GPU: the Triton paged kernels against gather+SDPA.
 
-    python scripts/bench_attention.py [--json PATH] [--sweep] [--no-decode] [--no-prefill]
+    python scripts/bench_attention.py [--json PATH] [--sweep] [--sweep-cases 256x640,...]
+                                      [--head-dim 64] [--no-decode] [--no-prefill]
                                       [--prefill-sweep] [--self-check]
 
 Shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128, bf16, block size
@@ -22,7 +23,9 @@ copy bandwidth (``cbpipe.roofline.copy_bandwidth``, which counts reads plus writ
 kernel that only reads can pass 1.0). A last section times the kernel at batch 32, context
 2048, launched eagerly against replayed from a CUDA graph, with the host time of one eager
 call, which is what graphs remove. ``--sweep`` also times the kernel over
-tile sizes, warps, stages and split counts, to pick the module's launch constants.
+KV heads per program, tile sizes, warps, stages and split counts, to pick the module's launch
+constants, at ``--sweep-cases``. ``--head-dim 64`` gives the decode cases Llama-3.2-1B's head
+size (the same 32 query and 8 KV heads).
 
 Prefill (``--no-prefill`` skips it, ``--no-decode`` skips everything above) is timed at
 Llama-3.2-1B's attention (32 query heads, 8 KV heads, head_dim 64, bf16, block size 16) on
