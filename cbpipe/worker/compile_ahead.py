@@ -37,7 +37,7 @@ import torch
 from cbpipe.lifetime import end_with_parent, fork_is_safe
 from cbpipe.logs import setup_logging
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
-from cbpipe.worker.compiling import without_duck_sizing
+from cbpipe.worker.compiling import decode_compile_settings
 from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM, GraphVariant
 from cbpipe.worker.sampling_state import SamplingState
 from cbpipe.worker.step_sampling import StepSampling, device_slot, real_rows
@@ -221,7 +221,7 @@ def compile_variants(job: CompileJob) -> None:
     row_ids = torch.arange(max_seqs, device=device)
     for variant in job.variants:
         started = time.perf_counter()
-        with without_duck_sizing(), torch.inference_mode():
+        with decode_compile_settings(), torch.inference_mode():
             # As the worker's forward leaves them: logits a fresh [1, batch, vocab] output's
             # row view, the validity of each row from the slot's header.
             logits = torch.zeros(1, batch, job.vocab, dtype=getattr(torch, job.logits_dtype),

@@ -7,9 +7,10 @@ through these alone: a setting that differed between them would key their artifa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as symbolic_shapes_config
 
 # Inductor picks each element-wise kernel's tiles by timing a handful of candidates on its
@@ -26,16 +27,26 @@ def compile_decode_fn(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS)
 
 
-def without_duck_sizing() -> contextlib.AbstractContextManager[None]:
-    """Compile with every input size its own symbol.
+@contextlib.contextmanager
+def decode_compile_settings() -> Iterator[None]:
+    """What dynamo traces the decode path with; the bodies' first runs happen inside it.
 
-    By default dynamo gives sizes that are equal at the first call one symbol ("duck
-    sizing"), and a graph body's inputs are slices of fixed buffers: where the first batch
-    equalled the length of one of them (the slot header's four fields at a batch of 4, the
-    per-sequence rows at the largest bucket), the body compiled for that size only, and
-    every other bucket compiled it again.
+    Every input size its own symbol: by default dynamo gives sizes that are equal at the
+    first call one symbol ("duck sizing"), and a graph body's inputs are slices of fixed
+    buffers: where the first batch equalled the length of one of them (the slot header's
+    four fields at a batch of 4, the per-sequence rows at the largest bucket), the body
+    compiled for that size only, and every other bucket compiled it again.
+
+    Python floats as constants: with dynamic shapes dynamo makes a module's float attributes
+    (an RMSNorm's epsilon, attention's scale) symbols too, then finds that our attention op
+    needs its scale as a number, specialises it, and traces the whole layer again from the
+    start, on a warm cache as on a cold one (docs/PERFORMANCE.md, session 11).
     """
-    return symbolic_shapes_config.patch(use_duck_shape=False)  # type: ignore[no-any-return]
+    with (
+        symbolic_shapes_config.patch(use_duck_shape=False),
+        dynamo_config.patch(specialize_float=True),
+    ):
+        yield
 
 
 def dynamo_graphs() -> int:

@@ -56,8 +56,8 @@ from cbpipe.worker.compiled_layers import compile_layers
 from cbpipe.worker.compiling import (
     compile_decode_fn,
     compile_phases,
+    decode_compile_settings,
     dynamo_graphs,
-    without_duck_sizing,
 )
 from cbpipe.worker.cuda_graphs import (
     DecodeGraphs,
@@ -346,7 +346,7 @@ class StepRunner:
         compiles_before = dynamo_graphs()
         started = time.perf_counter()
         assert self.graph_slot is not None
-        with without_duck_sizing():  # where the bodies compile
+        with decode_compile_settings():  # where the bodies compile
             self.graphs.capture(
                 self._graph_body,
                 batch_sizes=batch_sizes,
