@@ -14,6 +14,7 @@ Design:
   head (grouped-query attention), so each key and value is read from memory once per split,
   not ``G`` times. The ``G`` rows are padded to 16 (masked) because ``tl.dot`` needs at least
   16 rows; decode is bound by memory, so the idle rows of the tensor-core tile cost nothing.
+  (With small heads a program takes several KV heads at once: the packing below.)
 * Keys are visited in tiles of ``BLOCK_N`` tokens, independent of the page size: each token's
   slot is looked up in the block table, so any block size works with the same tile.
 * Split-KV (flash-decoding): each program walks its keys serially, and there are only
