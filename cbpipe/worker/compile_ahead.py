@@ -36,7 +36,7 @@ import torch
 
 from cbpipe.lifetime import end_with_parent, fork_is_safe
 from cbpipe.logs import setup_logging
-from cbpipe.protocol.slots import SlotLayout, SlotLimits
+from cbpipe.protocol.slots import REGIONS, SlotLayout, SlotLimits
 from cbpipe.worker.compiling import decode_compile_settings
 from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM, GraphVariant
 from cbpipe.worker.sampling_state import SamplingState
@@ -74,12 +74,9 @@ class CompileJob:
         dtype = getattr(torch, self.logits_dtype)
         logits = self.first_batch * self.vocab * dtype.itemsize
         layout = self.layout
-        slot = sum(end - start for start, end in map(layout.region, _REGIONS))
+        slot = sum(end - start for start, end in map(layout.region, REGIONS))
         state = SamplingState.nbytes(self.limits.max_seqs, self.vocab)
         return processes * (state + logits + slot + _PROCESS_OVERHEAD_BYTES)
-
-
-_REGIONS = ("inputs", "extras", "outputs")
 
 
 def ahead_variants(full_sampling: bool) -> tuple[GraphVariant, ...]:

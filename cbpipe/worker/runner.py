@@ -39,6 +39,7 @@ from cbpipe.protocol.messages import SamplingMode, Step, StepDone
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
     HEADER_FIELDS,
+    REGIONS,
     SlotLayout,
     StepInputs,
     numpy_views,
@@ -384,8 +385,8 @@ class StepRunner:
         layout = self.layout
         base = layout.slot_offset(slot)
         hosts = {}
-        for name in ("inputs", "extras", "outputs"):
-            start, end = layout.region(name)  # type: ignore[arg-type]
+        for name in REGIONS:
+            start, end = layout.region(name)
             hosts[name] = host[base + start : base + end]
         device = device_slot(layout, self.device)
         return SlotBuffers(

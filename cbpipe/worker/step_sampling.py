@@ -20,6 +20,7 @@ from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
     HEADER_FIELDS,
+    REGIONS,
     FieldLayout,
     Region,
     SlotLayout,
@@ -58,19 +59,19 @@ class DeviceSlot:
 
 
 def device_slot(layout: SlotLayout, device: torch.device) -> DeviceSlot:
-    regions = {}
-    for name in ("inputs", "extras", "outputs"):
-        start, end = layout.region(name)  # type: ignore[arg-type]
-        # Zeros, not garbage: graph replays read rows past a step's own (their ids must be
-        # valid indices), before any step has written them.
-        regions[name] = torch.zeros(end - start, dtype=torch.uint8, device=device)
+    # Zeros, not garbage: graph replays read rows past a step's own (their ids must be valid
+    # indices), before any step has written them.
+    buffers = {}
+    for name in REGIONS:
+        start, end = layout.region(name)
+        buffers[name] = torch.zeros(end - start, dtype=torch.uint8, device=device)
     return DeviceSlot(
-        device_input=regions["inputs"],
-        device_extras=regions["extras"],
-        device_output=regions["outputs"],
-        inputs=typed_views(regions["inputs"], layout, StepInputs, "inputs"),
-        extras=typed_views(regions["extras"], layout, StepExtras, "extras"),
-        outputs=typed_views(regions["outputs"], layout, StepOutputs, "outputs"),
+        device_input=buffers["inputs"],
+        device_extras=buffers["extras"],
+        device_output=buffers["outputs"],
+        inputs=typed_views(buffers["inputs"], layout, StepInputs, "inputs"),
+        extras=typed_views(buffers["extras"], layout, StepExtras, "extras"),
+        outputs=typed_views(buffers["outputs"], layout, StepOutputs, "outputs"),
     )
 
 
