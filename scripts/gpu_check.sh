@@ -16,8 +16,10 @@
 #            out as a server's lockstep batch has them (--engine-block-layout)   (~2 min)
 #   step1b   the 1B x256 decode step: the attention kernel at head_dim 64 (batch 256, context
 #            640, the bench part's mean) against gather+SDPA with a sweep of its settings (heads
-#            per program among them), the 8B's head_dim 128 without one, then one decode
-#            step of random:llama-1b x256 at context 640, compiled, profiled       (~5 min)
+#            per program among them), the 8B's head_dim 128 without one, then the decode
+#            steps of STEP1B_PROFILES (the 1B x256 at context 640), compiled, profiled (~5 min)
+#   imports  what the launcher's imports cost on this host: `python -X importtime` of
+#            cbpipe.launcher, its 25 slowest modules (cumulative), twice     (~1 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync, with the default flags (the decode forward compiled:
 #            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
@@ -66,7 +68,9 @@
 #   PARTS=tests,micro,bench  parts to run
 #   STEP1B_SWEEP64=256x640 BATCHxCONTEXT cases of step1b's head_dim 64 sweep (empty: none)
 #   STEP1B_SWEEP128=       BATCHxCONTEXT cases (comma list) of a head_dim 128 sweep in step1b
-#   STEP1B_PROFILE=1       0: step1b without its compiled 1B step profile
+#   STEP1B_PROFILES=llama-1b:256:640  MODEL:BATCH:CONTEXT steps (comma list) that step1b
+#                          profiles compiled, after its attention runs (empty: none)
+#   STEP1B_ATTENTION=1     0: step1b without its attention kernel runs
 #   BENCH_SCALE=1          divides every benchmark output length (2, 4, ... when time is short)
 #   BENCH_OUTPUT_LEN=1024  output tokens per request in the bench part, before scaling
 #   BENCH_1B_REQUESTS=256  requests in the bench part's llama-1b run
@@ -269,27 +273,46 @@ fi
 
 if want step1b; then
     {
-        sweep64=${STEP1B_SWEEP64-256x640}
-        section "attention kernel, head_dim 64, batch 256, context 640" \
-            "${sweep64:+with a sweep of $sweep64}"
-        timeout -k 10 240 "$PY" scripts/bench_attention.py --no-prefill --head-dim 64 \
-            --batches 256 --contexts 640 ${sweep64:+--sweep --sweep-cases "$sweep64"} \
-            --json "$OUT/attention_1b.json"
-        echo "exit code $?"
-        section "attention kernel, head_dim 128 (the 8B's), batches 32 and 256" \
-            "${STEP1B_SWEEP128:+with a sweep of $STEP1B_SWEEP128}"
-        timeout -k 10 300 "$PY" scripts/bench_attention.py --no-prefill --batches 32,256 \
-            --contexts 640,4096 ${STEP1B_SWEEP128:+--sweep --sweep-cases "$STEP1B_SWEEP128"} \
-            --json "$OUT/attention_128.json"
-        echo "exit code $?"
-        if [ "${STEP1B_PROFILE:-1}" = 1 ]; then
-            section "one decode step, random:llama-1b x256, context 640, --compile-decode"
-            timeout -k 10 240 "$PY" scripts/profile_step.py --model random:llama-1b --batch 256 \
-                --context 640 --steps 30 --compile-decode 2>&1 | grep -v '^USDT' | head -60
-            echo "exit code ${PIPESTATUS[0]}"
+        if [ "${STEP1B_ATTENTION:-1}" = 1 ]; then
+            sweep64=${STEP1B_SWEEP64-256x640}
+            section "attention kernel, head_dim 64, batch 256, context 640" \
+                "${sweep64:+with a sweep of $sweep64}"
+            timeout -k 10 240 "$PY" scripts/bench_attention.py --no-prefill --head-dim 64 \
+                --batches 256 --contexts 640 ${sweep64:+--sweep --sweep-cases "$sweep64"} \
+                --json "$OUT/attention_1b.json"
+            echo "exit code $?"
+            section "attention kernel, head_dim 128 (the 8B's), batches 32 and 256" \
+                "${STEP1B_SWEEP128:+with a sweep of $STEP1B_SWEEP128}"
+            timeout -k 10 300 "$PY" scripts/bench_attention.py --no-prefill --batches 32,256 \
+                --contexts 640,4096 ${STEP1B_SWEEP128:+--sweep --sweep-cases "$STEP1B_SWEEP128"} \
+                --json "$OUT/attention_128.json"
+            echo "exit code $?"
         fi
+        IFS=, read -r -a profiles <<<"${STEP1B_PROFILES-llama-1b:256:640}"
+        for profile in ${profiles[@]+"${profiles[@]}"}; do
+            IFS=: read -r model batch context <<<"$profile"
+            section "one decode step, random:$model x$batch, context $context, --compile-decode"
+            timeout -k 10 240 "$PY" scripts/profile_step.py --model "random:$model" \
+                --batch "$batch" --context "$context" --steps 30 --compile-decode 2>&1 |
+                grep -v '^USDT' | head -60
+            echo "exit code ${PIPESTATUS[0]}"
+        done
     } 2>&1 | tee "$OUT/step1b.log"
     rcs+=("step1b=$(grep '^exit code' "$OUT/step1b.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want imports; then
+    {
+        for attempt in first second; do
+            section "imports of cbpipe.launcher, $attempt time"
+            begun=$(date +%s%N)
+            "$PY" -X importtime -c 'import cbpipe.launcher' 2>"$OUT/importtime.txt"
+            echo "exit code $?, wall $(( ($(date +%s%N) - begun) / 1000000 )) ms"
+            grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -25
+        done
+        rm -f "$OUT/importtime.txt"
+    } 2>&1 | tee "$OUT/imports.log"
+    rcs+=("imports=$(grep '^exit code' "$OUT/imports.log" | awk '{print $3}' | tr -d , | paste -sd/ -)")
 fi
 
 if want bench; then
