@@ -44,9 +44,9 @@ from cbpipe.worker.step_sampling import StepSampling, device_slot, real_rows
 
 log = logging.getLogger("cbpipe.worker")
 
-# Each process runs its own inductor compile pool: a few workers each, so that they and the
-# worker's pool share the host's cores rather than each taking all of them.
-_COMPILE_THREADS = 4
+# Each process runs its own inductor compile pool: a share of the host's cores, beside the
+# worker's own pool, rather than each taking all of them.
+_MAX_COMPILE_THREADS = 4
 # Device memory a process may take besides its tensors: its CUDA context and workspaces.
 _PROCESS_OVERHEAD_BYTES = 1 << 30
 
@@ -64,6 +64,7 @@ class CompileJob:
     first_batch: int
     cache_env: dict[str, str]  # the worker's compile-cache variables
     log_level: str
+    compile_threads: int = 1  # inductor's compile pool in each process
 
     @property
     def layout(self) -> SlotLayout:
@@ -77,6 +78,11 @@ class CompileJob:
         slot = sum(end - start for start, end in map(layout.region, REGIONS))
         state = SamplingState.nbytes(self.limits.max_seqs, self.vocab)
         return processes * (state + logits + slot + _PROCESS_OVERHEAD_BYTES)
+
+    def processes_with_room(self, free_bytes: int, most: int) -> int:
+        """How many processes, up to ``most``, fit in ``free_bytes`` of device memory with as
+        much again to spare."""
+        return min(most, free_bytes // (2 * self.device_bytes(1)))
 
 
 def ahead_variants(full_sampling: bool) -> tuple[GraphVariant, ...]:
@@ -123,13 +129,13 @@ class CompileAhead:
     def __len__(self) -> int:
         return len(self._processes)
 
-    def start(self, job: CompileJob) -> None:
-        """Send each process its share of ``job``'s variants; the rest get nothing to do."""
+    def start(self, job: CompileJob, processes: int | None = None) -> None:
+        """Send each of the first ``processes`` (all by default) its share of ``job``'s
+        variants, with a share of the host's cores; the rest get nothing to do."""
         self._started_at = time.perf_counter()
-        jobs = [
-            dataclasses.replace(job, variants=share)
-            for share in shares(job.variants, len(self._processes))
-        ]
+        dealt = shares(job.variants, min(processes or len(self._processes), len(self._processes)))
+        threads = max(1, min(_MAX_COMPILE_THREADS, (os.cpu_count() or 1) // (len(dealt) + 1)))
+        jobs = [dataclasses.replace(job, variants=share, compile_threads=threads) for share in dealt]
         for index, (_, conn) in enumerate(self._processes):
             with contextlib.suppress(OSError):  # it died already
                 conn.send(jobs[index] if index < len(jobs) else None)
@@ -206,7 +212,7 @@ def compile_variants(job: CompileJob) -> None:
 
     setup_logging(job.log_level, "compile_ahead")
     os.environ.update(job.cache_env)
-    inductor_config.compile_threads = _COMPILE_THREADS  # not part of any artifact's key
+    inductor_config.compile_threads = job.compile_threads  # not part of any artifact's key
     device = torch.device(job.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)

@@ -60,10 +60,10 @@ log = logging.getLogger("cbpipe.worker")
 
 _STOP = object()
 IDLE_MS = 100  # no step for this long: the worker is idle
-# Two: the five sampler variants' compiles in two shares finish, on an H200 host, about when
-# the worker has warmed up and compiled its forward; more would take the host's cores from
-# the worker's own compiles.
-COMPILE_AHEAD_PROCESSES = 2
+# One a sampler variant: in two shares of two and three they were the cold start-up's longest
+# part on an H200 host, done 6-9 s after the worker had warmed up and compiled its forward
+# (docs/PERFORMANCE.md, session 12). Those that the device has no room for are not started.
+COMPILE_AHEAD_PROCESSES = len(ahead_variants(full_sampling=True))
 HEARTBEAT_PERIOD_S = 0.1
 
 
@@ -136,10 +136,12 @@ def _start_compile_ahead(
 ) -> None:
     """Give ``ahead`` its job where it helps: a cold cache, a compiled decode path, and room
     on the device for the processes with as much again to spare (the KV cache is sized
-    already: what is left is the worker's own working room). Else stop them."""
+    already: what is left is the worker's own working room), as many processes as there is
+    room for. Else stop them."""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-    if runner_compiles and cache_is_cold() and free >= 2 * job.device_bytes(len(ahead)):
-        ahead.start(job)
+    room = job.processes_with_room(free, len(ahead))
+    if runner_compiles and cache_is_cold() and room:
+        ahead.start(job, processes=room)
     else:
         ahead.stop()
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cbpipe.worker.compile_ahead import CompileAhead, shares
+from cbpipe.protocol.slots import SlotLimits
+from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, shares
 from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +30,57 @@ def test_variants_are_dealt_in_turn_and_no_process_is_left_empty() -> None:
     variants = (RANDOM, *FULL_VARIANTS)
     assert shares(variants, 2) == [variants[0::2], variants[1::2]]
     assert shares(variants[:1], 3) == [variants[:1]]
+
+
+def _job(variants: tuple = (RANDOM, *FULL_VARIANTS)) -> CompileJob:
+    return CompileJob(
+        variants=variants,
+        limits=SlotLimits(64, 6, 64),
+        num_slots=3,
+        vocab=1000,
+        logits_dtype="float32",
+        device="cpu",
+        first_batch=4,
+        cache_env={},
+        log_level="warning",
+    )
+
+
+class _Pipe:
+    """A process's end of the pipe, as ``CompileAhead.start`` uses it."""
+
+    def __init__(self) -> None:
+        self.sent: list[CompileJob | None] = []
+        self.closed = False
+
+    def send(self, job: CompileJob | None) -> None:
+        self.sent.append(job)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_start_deals_the_variants_over_the_processes_it_may_use() -> None:
+    pipes = [_Pipe() for _ in range(5)]
+    ahead = CompileAhead([(None, pipe) for pipe in pipes])  # type: ignore[misc]
+    job = _job()
+    ahead.start(job, processes=2)
+    given = [pipe.sent for pipe in pipes]
+    assert [sent[0].variants for sent in given[:2]] == shares(job.variants, 2)
+    assert given[2:] == [[None]] * 3  # told there is nothing to do
+    assert all(pipe.closed for pipe in pipes)
+    threads = {sent[0].compile_threads for sent in given[:2]}
+    assert len(threads) == 1 and threads.pop() >= 1
+
+
+def test_only_the_processes_the_device_has_room_for_start() -> None:
+    """Each process's device memory, with as much again to spare for the worker."""
+    job = _job()
+    each = 2 * job.device_bytes(1)
+    assert job.device_bytes(3) == 3 * job.device_bytes(1)
+    assert job.processes_with_room(3 * each + each // 2, most=5) == 3
+    assert job.processes_with_room(each - 1, most=5) == 0
+    assert job.processes_with_room(100 * each, most=5) == 5
 
 
 _STOP = textwrap.dedent(
