@@ -135,7 +135,9 @@ class CompileAhead:
         self._started_at = time.perf_counter()
         dealt = shares(job.variants, min(processes or len(self._processes), len(self._processes)))
         threads = max(1, min(_MAX_COMPILE_THREADS, (os.cpu_count() or 1) // (len(dealt) + 1)))
-        jobs = [dataclasses.replace(job, variants=share, compile_threads=threads) for share in dealt]
+        jobs = [
+            dataclasses.replace(job, variants=share, compile_threads=threads) for share in dealt
+        ]
         for index, (_, conn) in enumerate(self._processes):
             with contextlib.suppress(OSError):  # it died already
                 conn.send(jobs[index] if index < len(jobs) else None)
