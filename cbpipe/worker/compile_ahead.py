@@ -103,6 +103,7 @@ class CompileAhead:
     def __init__(self, processes: list[tuple[mp.process.BaseProcess, mp.connection.Connection]]):
         self._processes = processes
         self._started_at: float | None = None
+        self._working = 0  # how many of them were given variants
 
     @classmethod
     def fork(cls, count: int) -> CompileAhead | None:
@@ -138,6 +139,7 @@ class CompileAhead:
         jobs = [
             dataclasses.replace(job, variants=share, compile_threads=threads) for share in dealt
         ]
+        self._working = len(jobs)
         for index, (_, conn) in enumerate(self._processes):
             with contextlib.suppress(OSError):  # it died already
                 conn.send(jobs[index] if index < len(jobs) else None)
@@ -175,8 +177,9 @@ class CompileAhead:
             codes.append(process.exitcode)
         now = time.perf_counter()
         log.info(
-            "samplers compiled ahead: %d processes done (exit codes %s) %.1f s after their "
-            "start, waited for %.1f s",
+            "samplers compiled ahead: %d of %d processes given variants, done (exit codes %s) "
+            "%.1f s after their start, waited for %.1f s",
+            self._working,
             len(self._processes),
             codes,
             now - self._started_at,

@@ -68,6 +68,7 @@ def test_a_start_deals_the_variants_over_the_processes_it_may_use() -> None:
     given = [pipe.sent for pipe in pipes]
     assert [sent[0].variants for sent in given[:2]] == shares(job.variants, 2)
     assert given[2:] == [[None]] * 3  # told there is nothing to do
+    assert ahead._working == 2
     assert all(pipe.closed for pipe in pipes)
     threads = {sent[0].compile_threads for sent in given[:2]}
     assert len(threads) == 1 and threads.pop() >= 1
