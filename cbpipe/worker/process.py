@@ -60,9 +60,10 @@ log = logging.getLogger("cbpipe.worker")
 
 _STOP = object()
 IDLE_MS = 100  # no step for this long: the worker is idle
-# One a sampler variant: in two shares of two and three they were the cold start-up's longest
-# part on an H200 host, done 6-9 s after the worker had warmed up and compiled its forward
-# (docs/PERFORMANCE.md, session 12). Those that the device has no room for are not started.
+# One a sampler variant: most of a process's time is fixed (its CUDA context, dynamo's and
+# inductor's start), so fewer processes, each compiling several variants in turn, finished
+# after the worker and held up its start-up (docs/PERFORMANCE.md). Those that the device has
+# no room for are not started.
 COMPILE_AHEAD_PROCESSES = len(ahead_variants(full_sampling=True))
 HEARTBEAT_PERIOD_S = 0.1
 
