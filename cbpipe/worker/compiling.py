@@ -15,10 +15,9 @@ from torch.fx.experimental import _config as symbolic_shapes_config
 
 # Inductor picks each element-wise kernel's tiles by timing a handful of candidates on its
 # first launch; kernels of a few microseconds time too noisily for that to settle. On the
-# H200 the same 8B rotary kernel of q got 32 x 32 tiles (2.9 us) in one start-up and 128 x 32
-# (5.1 us) in the next, and before the cache writes left inductor's graph the keys' kernel
-# swung from 7 to 19 us a layer (session 6 in docs/PERFORMANCE.md). Without the timing every
-# start-up gets inductor's first candidate, the same each time; reductions are still timed.
+# H200 the same 8B rotary kernel got other tiles, nearly twice as slow, from one start-up to
+# the next (docs/PERFORMANCE.md). Without the timing every start-up gets inductor's first
+# candidate, the same each time; reductions are still timed.
 _COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
 
 
@@ -40,7 +39,7 @@ def decode_compile_settings() -> Iterator[None]:
     Python floats as constants: with dynamic shapes dynamo makes a module's float attributes
     (an RMSNorm's epsilon, attention's scale) symbols too, then finds that our attention op
     needs its scale as a number, specialises it, and traces the whole layer again from the
-    start, on a warm cache as on a cold one (docs/PERFORMANCE.md, session 11).
+    start, on a warm cache as on a cold one (docs/PERFORMANCE.md).
     """
     with (
         symbolic_shapes_config.patch(use_duck_shape=False),

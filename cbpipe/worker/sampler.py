@@ -218,10 +218,9 @@ def greedy_sample_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 # The sampled path's reductions over the vocabulary run on each row cut into up to this many
 # equal pieces, then over the pieces: one program per row was all inductor gave an argmax, 32
-# programs on an H200's 132 SMs for a batch of 32 (68 us for the 8B step's greedy sampling
-# then). In 64 pieces it was a 23 us kernel plus a pass over the pieces under 2.4 us; 128
-# pieces of 1002 measured 19 + 13 us, so 64 it is (docs/PERFORMANCE.md, session 5). Greedy
-# batches take ``cbpipe::greedy_sample`` instead: 5.4 us plus a merge under 2.3 (session 6).
+# programs on an H200's 132 SMs for a batch of 32. In 64 pieces the two passes took a third
+# of that; 128 pieces made the second pass dearer than the first saved (docs/PERFORMANCE.md).
+# Greedy batches take ``cbpipe::greedy_sample`` instead, a kernel of our own.
 _MAX_PIECES = 64
 _MIN_PIECE = 1024
 

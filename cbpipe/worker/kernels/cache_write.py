@@ -9,10 +9,9 @@ Why not index assignment in the traced model, which inductor fuses into the kern
 applies the rotary embedding to the keys: that fused kernel scatters into the cache, and
 inductor picks its tiles by timing the candidates on the first call, with the cache (a
 mutated argument, gigabytes a layer in a server) cloned for every candidate and every row
-writing the cache's padding slot. On the H200 its pick differed from run to run: 32 x 32
-tiles (32 programs) in one engine start-up, 7 us a layer at batch 32; 256 x 16 (8 programs)
-in the next, 19 us a layer, half a millisecond of an 8B step that takes 8.8 (session 6 in
-docs/PERFORMANCE.md). Our own kernel takes that choice away: the keys' rotary embedding
+writing the cache's padding slot. On the H200 its pick differed from run to run, and the
+slower pick took nearly three times as long, several percent of an 8B step
+(docs/PERFORMANCE.md). Our own kernel takes that choice away: the keys' rotary embedding
 stays an element-wise kernel of inductor's, with nothing mutated, and the writes are this
 one launch.
 """
