@@ -560,7 +560,7 @@ def main() -> None:
     import triton
 
     from cbpipe.roofline import copy_bandwidth
-    from cbpipe.worker.kernels.paged_decode import default_heads_per_program, default_num_splits
+    from cbpipe.worker.kernels.paged_decode import launch_grid
 
     device = torch.device("cuda")
     copy_bw = copy_bandwidth(device)
@@ -579,8 +579,7 @@ def main() -> None:
             err = (triton_attention(p).float() - gather_sdpa_attention(p).float()).abs().max()
             if err.item() > 2e-2:
                 sys.exit(f"batch {batch} context {context}: the two paths differ by {err:.3g}")
-            pack = default_heads_per_program(args.head_dim, NUM_KV_HEADS)
-            splits = default_num_splits(batch, NUM_KV_HEADS // pack, device)
+            _, splits = launch_grid(batch, p.key_cache, p.value_cache, device)
             ms = time_ms(lambda p=p: triton_attention(p), args.iters, flush)
             rows.append(
                 row("triton", batch, context, ms, copy_bw, args.head_dim, num_splits=splits)

@@ -134,7 +134,8 @@ class CompileAhead:
         """Send each of the first ``processes`` (all by default) its share of ``job``'s
         variants, with a share of the host's cores; the rest get nothing to do."""
         self._started_at = time.perf_counter()
-        dealt = shares(job.variants, min(processes or len(self._processes), len(self._processes)))
+        count = len(self._processes) if processes is None else min(processes, len(self._processes))
+        dealt = shares(job.variants, count)
         threads = max(1, min(_MAX_COMPILE_THREADS, (os.cpu_count() or 1) // (len(dealt) + 1)))
         jobs = [
             dataclasses.replace(job, variants=share, compile_threads=threads) for share in dealt

@@ -346,11 +346,14 @@ def _bad_packing_errors() -> list[str]:
     from cbpipe.worker.kernels.paged_decode import paged_decode_attention
 
     errors = []
-    for num_kv_heads, head_dim, pack, strided in [(4, 64, 3, False), (2, 64, 4, False)] + [
+    packings = [
+        (4, 64, 3, False),
+        (2, 64, 4, False),
         (4, 80, 2, False),
         (4, 8, 2, False),
         (4, 64, 2, True),
-    ]:
+    ]
+    for num_kv_heads, head_dim, pack, strided in packings:
         query = torch.randn(1, num_kv_heads, head_dim)
         cache = torch.randn(16, num_kv_heads, head_dim + 8 if strided else head_dim)
         cache = cache[..., :head_dim]

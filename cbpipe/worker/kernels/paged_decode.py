@@ -306,6 +306,32 @@ def default_heads_per_program(head_dim: int, most: int) -> int:
     return pack
 
 
+def launch_grid(
+    num_seqs: int,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    device: torch.device,
+    heads_per_program: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
+    """The KV heads a program takes and the splits per sequence that a launch uses: the
+    defaults where None, else the given ones checked against what the caches allow."""
+    _, num_kv_heads, head_dim = key_cache.shape
+    most = packable_heads(head_dim, num_kv_heads, key_cache, value_cache)
+    if heads_per_program is None:
+        heads_per_program = default_heads_per_program(head_dim, most)
+    if heads_per_program < 1 or most % heads_per_program:
+        raise ValueError(
+            f"heads_per_program {heads_per_program} does not divide {most}, the most KV heads "
+            f"these caches let one program take (head_dim {head_dim}, {num_kv_heads} KV heads)"
+        )
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads // heads_per_program, device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
+    return heads_per_program, num_splits
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -344,7 +370,8 @@ def paged_decode_attention(
         softcap: if set, scores become ``softcap * tanh(scores / softcap)``.
         sinks: ``[num_heads]`` logits, one per head, that join each row's softmax with no
             value (gpt-oss); any float dtype.
-        num_splits: key ranges per sequence; None picks ``default_num_splits``.
+        num_splits: key ranges per sequence; None picks ``default_num_splits``
+            (``launch_grid`` resolves both).
         heads_per_program: adjacent KV heads one program attends for (a power of two that
             divides the KV heads, >1 only where ``packable_heads`` allows it); None picks
             ``default_heads_per_program``.
@@ -369,19 +396,10 @@ def paged_decode_attention(
     out = output_for(query, out)
     if query.stride(2) != 1:
         query = query.contiguous()
-    most = packable_heads(head_dim, num_kv_heads, key_cache, value_cache)
-    if heads_per_program is None:
-        heads_per_program = default_heads_per_program(head_dim, most)
-    if heads_per_program < 1 or most % heads_per_program:
-        raise ValueError(
-            f"heads_per_program {heads_per_program} does not divide {most}, the most KV heads "
-            f"these caches let one program take (head_dim {head_dim}, {num_kv_heads} KV heads)"
-        )
+    heads_per_program, num_splits = launch_grid(
+        num_seqs, key_cache, value_cache, query.device, heads_per_program, num_splits
+    )
     num_programs = num_kv_heads // heads_per_program
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_programs, query.device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be positive, got {num_splits}")
     check_variant(sliding_window, softcap, sinks, num_heads, query.device)
     if num_seqs == 0:
         return out
