@@ -81,16 +81,6 @@ def real_rows(slot: DeviceSlot, row_ids: torch.Tensor, batch: int) -> torch.Tens
     return row_ids[:batch] < slot.inputs.header[_NUM_SEQS]
 
 
-def _mark_static(tensor: torch.Tensor, dim: int | None = None) -> None:
-    """Keep ``tensor``'s sizes (or size ``dim``) out of the compiled samplers' symbols.
-
-    The samplers compile with dynamic shapes for the batch; the vocabulary and the state's
-    rows never change, and as symbols they cost dynamo's shape reasoning at every start-up
-    (warm or cold) and leave inductor's reductions over the vocabulary generic.
-    """
-    torch._dynamo.mark_static(tensor, dim)
-
-
 def typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Region) -> Any:
     """Typed tensors over the fields of one region held in a flat uint8 ``buffer``."""
     region_start = layout.region(region)[0]
@@ -117,10 +107,6 @@ class StepSampling:
         self._graph_sample_full: FullSampler = (
             compile_decode_fn(sample_full) if compiled else sample_full
         )
-        self.compiled = compiled
-        if compiled:
-            for table in (state.bias, state.output_counts, state.seen):
-                _mark_static(table)
 
     def sample_decode_rows(
         self,
@@ -134,8 +120,6 @@ class StepSampling:
         """The sampling half of a padded decode graph body. With the full sampler the rows'
         tokens are counted first (a sequence of one prompt row may be new), and padding rows
         use the spare state row."""
-        if self.compiled:
-            _mark_static(logits, 1)
         if variant.sampling is not SamplingMode.FULL:
             all_greedy = variant.sampling is SamplingMode.GREEDY
             self.sample(slot, logits, batch, all_greedy, sampler=self._graph_sample)
