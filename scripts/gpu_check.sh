@@ -69,8 +69,10 @@
 #   PARTS=tests,micro,bench  parts to run
 #   STEP1B_SWEEP64=256x640 BATCHxCONTEXT cases of step1b's head_dim 64 sweep (empty: none)
 #   STEP1B_SWEEP128=       BATCHxCONTEXT cases (comma list) of a head_dim 128 sweep in step1b
-#   STEP1B_PROFILES=llama-1b:256:640  MODEL:BATCH:CONTEXT steps (comma list) that step1b
-#                          profiles compiled, after its attention runs (empty: none)
+#   STEP1B_PROFILES=llama-1b:256:640  MODEL:BATCH:CONTEXT[:FLAGS] steps (comma list) that
+#                          step1b profiles compiled, after its attention runs (empty: none);
+#                          FLAGS go to profile_step.py, word-split (llama-8b:32:640:--inductor
+#                          combo_kernels=True)
 #   STEP1B_ATTENTION=1     0: step1b without its attention kernel runs
 #   BENCH_SCALE=1          divides every benchmark output length (2, 4, ... when time is short)
 #   BENCH_OUTPUT_LEN=1024  output tokens per request in the bench part, before scaling
@@ -291,10 +293,12 @@ if want step1b; then
         fi
         IFS=, read -r -a profiles <<<"${STEP1B_PROFILES-llama-1b:256:640}"
         for profile in ${profiles[@]+"${profiles[@]}"}; do
-            IFS=: read -r model batch context <<<"$profile"
-            section "one decode step, random:$model x$batch, context $context, --compile-decode"
+            IFS=: read -r model batch context flags <<<"$profile"
+            section "one decode step, random:$model x$batch, context $context, --compile-decode" \
+                "${flags:+$flags}"
+            # shellcheck disable=SC2086  # the flags are word-split on purpose
             timeout -k 10 240 "$PY" scripts/profile_step.py --model "random:$model" \
-                --batch "$batch" --context "$context" --steps 30 --compile-decode 2>&1 |
+                --batch "$batch" --context "$context" --steps 30 --compile-decode $flags 2>&1 |
                 grep -v '^USDT' | head -60
             echo "exit code ${PIPESTATUS[0]}"
         done

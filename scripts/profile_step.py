@@ -17,12 +17,19 @@ together and decode in lockstep: each sequence's prompt blocks (``--prompt-len``
 then one block per sequence in turn, in a cache sized as the worker sizes it (most of the
 free memory). On an H200 the two layouts gave the same 8B step (11.53 and 11.54 ms on the
 device, docs/PERFORMANCE.md, session 5).
+
+``--inductor NAME=VALUE`` (repeatable) sets one of inductor's options for this process's
+compiles (``--inductor combo_kernels=True``, ``--inductor triton.max_tiles=1``), to time a
+setting before it is proposed for the worker; inductor keys its caches on its options, so a
+setting never reuses another's kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
 import time
 
 import torch
@@ -120,11 +127,20 @@ def main() -> None:
         help="print torch.profiler's top operators (default: with one sampling preset)",
     )
     parser.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set an option of torch._inductor.config (repeatable)",
+    )
+    parser.add_argument(
         "--grow",
         action="store_true",
         help="lengthen the attended key range by one at every step, as real decoding does",
     )
     args = parser.parse_args()
+    for option in args.inductor:
+        _set_inductor_option(parser, option)
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -173,6 +189,27 @@ def main() -> None:
     for name in presets:
         step = _pack_step(args, layout, segment, num_blocks, blocks_per_seq, SAMPLING_PRESETS[name])
         _time_step(args, runner, model, kernel, device, dtype, step, name, profile)
+
+
+def _set_inductor_option(parser: argparse.ArgumentParser, option: str) -> None:
+    """``NAME=VALUE`` onto ``torch._inductor.config``; the value a Python literal or a string."""
+    from torch._inductor import config
+
+    name, sep, text = option.partition("=")
+    if not sep:
+        parser.error(f"--inductor {option!r}: expected NAME=VALUE")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    *parents, leaf = name.split(".")
+    try:
+        owner = functools.reduce(getattr, parents, config)
+        getattr(owner, leaf)  # unknown names fail here, not silently
+    except AttributeError:
+        parser.error(f"--inductor {option!r}: inductor has no option {name!r}")
+    setattr(owner, leaf, value)
+    print(f"inductor option {name} = {value!r}")
 
 
 def _pack_step(
