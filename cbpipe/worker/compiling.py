@@ -18,11 +18,15 @@ from torch.fx.experimental import _config as symbolic_shapes_config
 # H200 the same 8B rotary kernel got other tiles, nearly twice as slow, from one start-up to
 # the next (docs/PERFORMANCE.md). Without the timing every start-up gets inductor's first
 # candidate, the same each time; reductions are still timed.
-_COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
+# Combo kernels: independent element-wise kernels share one launch. In a decode layer the
+# rotary embeddings of q and of the keys read the q|k|v product and nothing of each other;
+# at decode sizes each is a microsecond of work behind a launch of its own.
+_COMPILE_OPTIONS = {"triton.autotune_pointwise": False, "combo_kernels": True}
 
 
 def compile_decode_fn(fn: Callable) -> Callable:
-    """``fn`` through ``torch.compile``: dynamic shapes, element-wise tiles not timed."""
+    """``fn`` through ``torch.compile``: dynamic shapes, element-wise tiles not timed,
+    independent element-wise kernels combined."""
     return torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS)
 
 
