@@ -3,10 +3,10 @@
 # Parts (PARTS, a comma list, in this order):
 #   tests    pytest tests/gpu and the kernel tests on the GPU: more than one call holds, since
 #            the launched engines compile by default; split it by files with TEST_PATHS:
-#            "tests/gpu/test_gpu.py tests/gpu/test_worker_step.py" (328 s at 43e61f5, the
-#            two engine fixtures 96-98 s each), "tests/gpu/test_architectures_gpu.py" (about
-#            290 s at e8328a6), then "tests/gpu/test_full_sampling.py kernels" (its first
-#            four tests about 70 s)
+#            "tests/gpu/test_architectures_gpu.py tests/gpu/test_gpu.py" (376 s at 603fbaa,
+#            the two engine fixtures 73-76 s each), "tests/gpu/test_worker_step.py
+#            tests/gpu/test_full_sampling.py" (142 s at 77aa80f), then "kernels" (about
+#            150 s: with test_full_sampling.py 221 s at b024db1)
 #            (PYTEST_K="test_gpu" matches the kernel tests' test_gpu_* cases too) (~15 min)
 #   micro    scripts/bench_attention.py, scripts/bench_matmul.py, one decode step of random:llama-8b at batch 32
 #            (context 4096) eager vs CUDA graph against its bandwidth floor, and one mixed
