@@ -20,7 +20,8 @@ from torch.fx.experimental import _config as symbolic_shapes_config
 # candidate, the same each time; reductions are still timed.
 # Combo kernels: independent element-wise kernels share one launch. In a decode layer the
 # rotary embeddings of q and of the keys read the q|k|v product and nothing of each other;
-# at decode sizes each is a microsecond of work behind a launch of its own.
+# at decode sizes each is a microsecond of work behind a launch of its own (the 8B step
+# measured 1% shorter with them combined, docs/PERFORMANCE.md).
 _COMPILE_OPTIONS = {"triton.autotune_pointwise": False, "combo_kernels": True}
 
 
