@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 
 import torch
@@ -228,7 +228,7 @@ def _load(
         writes_outputs=tp.rank == 0,
         before_sampler_compiles=None if ahead is None else ahead.wait,
     )
-    phases.done("warm-up and graphs" + (" (compile included)" if runner.compiled else ""))
+    phases.done("runner set-up", parts=runner.startup_seconds)
     log.info("start-up: %s", phases.describe())
     hello = WorkerReady(
         model=source.name,
@@ -259,10 +259,17 @@ class StartupPhases:
             phases.seconds["imports"] = age
         return phases
 
-    def done(self, name: str) -> None:
+    def done(self, name: str, parts: Mapping[str, float] | None = None) -> None:
+        """The time since the last phase, as ``name``; with ``parts``, the parts of it that
+        were timed inside, each its own phase, and ``name`` what is left (when that is
+        worth a line)."""
         now = time.perf_counter()
-        self.seconds[name] = now - self._last
+        elapsed = now - self._last
         self._last = now
+        self.seconds.update(parts or {})
+        rest = elapsed - sum((parts or {}).values())
+        if not parts or rest >= 0.05:
+            self.seconds[name] = rest
 
     def describe(self) -> str:
         total = sum(self.seconds.values())

@@ -240,6 +240,8 @@ class StepRunner:
         self._last_slot: int | None = None
         self.graphs = DecodeGraphs()
         self._before_sampler_compiles = before_sampler_compiles
+        # Where this runner's set-up went, in order, for the worker's start-up line.
+        self.startup_seconds: dict[str, float] = {}
         if graph_batch_sizes and decode_kernel is None:
             raise ValueError("decode graphs need the Triton decode kernel")
         self._registered_ptr: int | None = None
@@ -287,11 +289,12 @@ class StepRunner:
                 self._run_padding_step(num_decodes, prefill_len)
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        self.startup_seconds["warm-up"] = time.perf_counter() - started
         log.info(
             "warmed up %d eager step shapes (prefill up to %d tokens) in %.1f s",
             len(shapes),
             longest,
-            time.perf_counter() - started,
+            self.startup_seconds["warm-up"],
         )
 
     def _run_padding_step(self, num_decodes: int, prefill_len: int) -> None:
@@ -357,12 +360,17 @@ class StepRunner:
                 full_sampling=full_sampling,
                 after_first_run=self._before_sampler_compiles,
             )
+        elapsed = time.perf_counter() - started
+        first_runs = sum(self.graphs.first_run_s.values())  # the compile, if any
+        if self.compiled:
+            self.startup_seconds["compile"] = first_runs
+        self.startup_seconds["capture"] = elapsed - first_runs
         log.info(
             "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s",
             len(self.graphs),
             self.graphs.batch_sizes,
             self.graphs.full_batch_sizes,
-            time.perf_counter() - started,
+            elapsed,
             self._compile_summary(compiles_before) if self.compiled else "",
         )
         if self.compiled:
