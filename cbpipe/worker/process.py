@@ -264,10 +264,10 @@ class StartupPhases:
         were timed inside, each its own phase, and ``name`` what is left (when that is
         worth a line)."""
         now = time.perf_counter()
-        elapsed = now - self._last
-        self._last = now
-        self.seconds.update(parts or {})
-        rest = elapsed - sum((parts or {}).values())
+        elapsed, self._last = now - self._last, now
+        parts = parts or {}
+        self.seconds.update(parts)
+        rest = elapsed - sum(parts.values())
         if not parts or rest >= 0.05:
             self.seconds[name] = rest
 

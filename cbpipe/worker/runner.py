@@ -379,10 +379,9 @@ class StepRunner:
     def _compile_summary(self, compiles_before: int) -> str:
         """How long the first run of each variant took (its compile), and how many graphs
         dynamo compiled in all: more than at the first runs means a bucket recompiled."""
-        first_runs = self.graphs.first_run_s
-        each = ", ".join(f"{v.label} {seconds:.1f}" for v, seconds in first_runs.items())
+        each = ", ".join(f"{v.label} {s:.1f}" for v, s in self.graphs.first_run_s.items())
         return (
-            f", compiling their forward and samplers {sum(first_runs.values()):.1f} s of it "
+            f", compiling their forward and samplers {self.startup_seconds['compile']:.1f} s of it "
             f"({each}), {dynamo_graphs() - compiles_before} dynamo graphs"
         )
 
