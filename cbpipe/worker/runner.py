@@ -668,8 +668,8 @@ class StepRunner:
         """A decode-only step padded to ``batch`` rows, with no host value that varies.
 
         How many rows are real and how wide the block tables are come from the slot header's
-        device copy; padding rows write their keys to the cache's padding block and attend
-        nothing, and their samples land past the ``num_seqs`` rows anyone reads. A FULL
+        device copy; padding rows store no keys and attend nothing, and their samples land past
+        the ``num_seqs`` rows anyone reads. A FULL
         step's resets and bias entries ran before the replay (``_prepare_state``).
         """
         logits, valid, input_ids = self._decode_forward(slot, batch)
@@ -683,11 +683,11 @@ class StepRunner:
         inputs = slot.inputs
         valid = real_rows(slot, self._row_ids, batch)
         input_ids = self._carry_over(inputs, batch, valid)
-        slot_mapping = torch.where(valid, inputs.slot_mapping[:batch], self.kv_cache.padding_slot)
+        # A padding row's context length 0 keeps it from storing or attending anything.
         context_lens = torch.where(valid, inputs.context_lens[:batch], 0)
         paged = DecodeGraphStep(
             self.kv_cache,
-            slot_mapping,
+            inputs.slot_mapping[:batch],
             context_lens,
             inputs.block_tables,
             inputs.header[_WIDTH : _WIDTH + 1],

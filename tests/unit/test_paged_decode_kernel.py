@@ -53,6 +53,8 @@ class Case:
     sinks: bool = False
     variant_matters: bool = True  # the variant moves the output (checked against the plain one)
     heads_per_program: int | None = None  # adjacent KV heads a program packs; None: the default
+    # Each sequence's own key and value given apart, for the kernel to store (``NewRows``).
+    new_rows: bool = False
 
 
 def _edges(block_size: int) -> tuple[int, ...]:
@@ -167,6 +169,64 @@ CPU_CASES = [
         softcap=0.7,
         heads_per_program=2,
     ),  # fmt: skip
+    # The kernel stores each row's own key and value before attending: the slot it stores
+    # holds stale data until then, the split that owns the last position stores it, and
+    # rows with context 0 store nothing.
+    Case("store-edges-fp32", "float32", 16, (*_edges(16), 0), 2, 4, 64, 1, new_rows=True),
+    Case("store-split3-fp32", "float32", 16, (700, 300, 0, 1), 1, 4, 64, 3, new_rows=True),
+    Case("store-split7-more-than-tiles", "float32", 8, (17, 1, 0, 70), 2, 4, 64, 7, new_rows=True),
+    Case("store-head-dim-80", "float32", 16, (40, 0, 90), 2, 2, 80, 2, new_rows=True),
+    Case(
+        "store-unpacked-bf16",
+        "bfloat16",
+        16,
+        (70, 0, 15),
+        4,
+        4,
+        64,
+        3,
+        heads_per_program=1,
+        new_rows=True,
+    ),  # fmt: skip
+    Case(
+        "store-packed4-d32-fp32",
+        "float32",
+        8,
+        (0, 9, 100, 64),
+        4,
+        2,
+        32,
+        3,
+        heads_per_program=4,
+        new_rows=True,
+    ),  # fmt: skip
+    Case(
+        "store-packed2-window-sinks-fp32",
+        "float32",
+        16,
+        (1, 17, 130, 0, 64),
+        4,
+        4,
+        64,
+        2,
+        window=20,
+        sinks=True,
+        heads_per_program=2,
+        new_rows=True,
+    ),  # fmt: skip
+    Case(
+        "store-gemma2-like-bf16",
+        "bfloat16",
+        16,
+        (40, 0, 17, 150),
+        1,
+        2,
+        256,
+        2,
+        window=24,
+        softcap=1.5,
+        new_rows=True,
+    ),  # fmt: skip
 ]
 
 GPU_CASES = [
@@ -176,6 +236,39 @@ GPU_CASES = [
     Case("llama8b-fp32-split4", "float32", 16, (1500, 33, 999), 8, 4, 128, 4),
     Case("batch64-bf16-bs32", "bfloat16", 32, tuple(range(0, 64 * 37, 37)), 8, 4, 128, None),
     Case("batch2-bf16-auto-many-splits", "bfloat16", 16, (5000, 77), 8, 4, 128, None),
+    Case(
+        "store-llama8b-bf16-auto",
+        "bfloat16",
+        16,
+        (2048, 1, 0, 517, 4000, 16, 17),
+        8,
+        4,
+        128,
+        None,
+        new_rows=True,
+    ),  # fmt: skip
+    Case(
+        "store-batch2-bf16-many-splits",
+        "bfloat16",
+        16,
+        (5000, 77),
+        8,
+        4,
+        128,
+        None,
+        new_rows=True,
+    ),  # fmt: skip
+    Case(
+        "store-llama1b-bf16-batch256",
+        "bfloat16",
+        16,
+        tuple(range(1, 256 * 5, 5)),
+        8,
+        4,
+        64,
+        None,
+        new_rows=True,
+    ),  # fmt: skip
     Case("head-dim-256-fp32", "float32", 16, (1000, 3), 2, 4, 256, None),
     # Gemma 2 2B's attention (8 heads, 4 KV heads, head_dim 256, window 4096, soft-cap 50) and
     # gpt-oss's (64 heads, 8 KV heads, head_dim 64, window 128, sinks), at long contexts.
@@ -250,6 +343,7 @@ class Inputs:
     context_lens: torch.Tensor
     out: torch.Tensor | None
     sinks: torch.Tensor | None
+    new_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # keys, values, slots
 
 
 def make_inputs(case: Case, device: torch.device) -> Inputs:
@@ -277,6 +371,20 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
         out = out.to(device)
     # Sinks of the size of the scores, so some rows give them most of the weight.
     sinks = (2 * torch.randn(num_heads, generator=gen)).to(dtype).to(device) if case.sinks else None
+    new_rows = None
+    if case.new_rows:
+        rows_shape = (case.num_kv_heads, num_seqs, case.head_dim)
+        # The keys transposed from [kv_heads, rows, head_dim], as the model's output is.
+        keys = torch.randn(rows_shape, generator=gen).to(dtype).to(device).transpose(0, 1)
+        values = torch.randn(rows_shape, generator=gen).to(dtype).transpose(0, 1).contiguous()
+        # The slot of each row's last position; an empty row's points at a slot another
+        # sequence attends, so a store it should not make changes an output.
+        used = tables[0].item() * bs if case.context_lens[0] else 0
+        slots = [
+            tables[s * width + (n - 1) // bs].item() * bs + (n - 1) % bs if n else used
+            for s, n in enumerate(case.context_lens)
+        ]
+        new_rows = (keys, values.to(device), torch.tensor(slots, device=device))
     return Inputs(
         query,
         key_cache,
@@ -286,25 +394,49 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
         torch.tensor(case.context_lens, dtype=torch.int32, device=device),
         out,
         sinks,
+        new_rows,
     )
+
+
+def stored(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as they should be once the rows with a context are stored."""
+    key_cache, value_cache = x.key_cache.clone(), x.value_cache.clone()
+    if x.new_rows is not None:
+        keys, values, slots = x.new_rows
+        has_context = x.context_lens > 0
+        key_cache[slots[has_context]] = keys[has_context]
+        value_cache[slots[has_context]] = values[has_context]
+    return key_cache, value_cache
 
 
 def check_case(case: Case, device: torch.device) -> dict[str, object]:
     """Run the kernel and the reference; returns the error and the properties tests check."""
-    from cbpipe.worker.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+    from cbpipe.worker.kernels.paged_decode import (
+        NewRows,
+        paged_decode_attention,
+        paged_decode_reference,
+    )
 
     x = make_inputs(case, device)
     scale = case.head_dim**-0.5
-    args = (x.query, x.key_cache, x.value_cache, x.block_tables, x.width, x.context_lens)
+    key_cache, value_cache = stored(x)
+    # The reference reads caches that already hold the new rows; the kernel stores them.
+    want_args = (x.query, key_cache, value_cache, x.block_tables, x.width, x.context_lens)
     variant: dict[str, Any] = dict(sliding_window=case.window, softcap=case.softcap, sinks=x.sinks)
     got = paged_decode_attention(
-        *args, block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out,
-        heads_per_program=case.heads_per_program, **variant,
+        x.query, x.key_cache, x.value_cache, x.block_tables, x.width, x.context_lens,
+        block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out,
+        heads_per_program=case.heads_per_program,
+        new_rows=NewRows(*x.new_rows) if x.new_rows else None, **variant,
     )  # fmt: skip
-    want = paged_decode_reference(*args, block_size=case.block_size, scale=scale, **variant)
-    plain = paged_decode_reference(*args, block_size=case.block_size, scale=scale)
+    want = paged_decode_reference(*want_args, block_size=case.block_size, scale=scale, **variant)
+    plain = paged_decode_reference(*want_args, block_size=case.block_size, scale=scale)
     empty = x.context_lens == 0
     return {
+        # Every slot as index assignment leaves it: the rows stored, nothing else touched.
+        "caches_stored": bool(
+            torch.equal(x.key_cache, key_cache) and torch.equal(x.value_cache, value_cache)
+        ),
         "max_err": (got.float() - want).abs().max().item(),
         # How far the variant moves the output: a case whose variant changes nothing tests
         # nothing about it.
@@ -322,6 +454,7 @@ def assert_result(case: Case, result: dict[str, object]) -> None:
     assert result["empty_rows_zero"], f"{case.name}: a context_len 0 row is not zeros"
     assert result["dtype_ok"], f"{case.name}: wrong output dtype or shape"
     assert result["returned_out"], f"{case.name}: the given out was not returned"
+    assert result["caches_stored"], f"{case.name}: the caches differ from the rows stored"
     assert result["max_err"] <= _ATOL[case.dtype], f"{case.name}: max error {result['max_err']}"
     has_variant = case.window is not None or case.softcap is not None or case.sinks
     if has_variant and case.variant_matters:
@@ -401,6 +534,44 @@ def test_default_packing() -> None:
 
     assert [default_heads_per_program(d, 8) for d in (32, 64, 128, 256)] == [4, 2, 1, 1]
     assert default_heads_per_program(64, 1) == 1  # one KV head (a tensor-parallel rank's)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])],
+)
+def test_compiled_op_stores_into_the_caches_in_place(device: str) -> None:
+    """Under torch.compile ``cbpipe::decode_attention`` stores into the caches themselves:
+    a copy of a cache (in a server gigabytes a layer) would show as a clone or a copy back in
+    inductor's code. On the CPU the kernel runs under the interpreter (``tests/conftest.py``)."""
+    from torch._inductor.utils import run_and_get_code
+
+    import cbpipe.worker.attention  # noqa: F401  (registers the op)
+    from cbpipe.worker.kernels.paged_decode import paged_decode_reference
+
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("the kernel runs interpreted only where there is no CUDA device")
+    case = Case("compiled", "float32", 16, (5, 0, 40), 2, 4, 64, 1, new_rows=True)
+    x = make_inputs(case, torch.device(device))
+    assert x.new_rows is not None
+    key_cache, value_cache = stored(x)
+    keys, values, slots = x.new_rows
+
+    def step(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        keys = keys * 2  # an element-wise kernel produces the keys
+        return torch.ops.cbpipe.decode_attention(
+            query, keys, values, x.key_cache, x.value_cache, slots, x.block_tables, x.width,
+            x.context_lens, case.block_size, 0.125, None, None, None,
+        )  # fmt: skip
+
+    got, code = run_and_get_code(torch.compile(step, fullgraph=True), x.query, keys / 2)
+    assert torch.equal(x.key_cache, key_cache) and torch.equal(x.value_cache, value_cache)
+    args = (x.query, key_cache, value_cache, x.block_tables, x.width, x.context_lens)
+    want = paged_decode_reference(*args, block_size=case.block_size, scale=0.125)
+    assert (got - want).abs().max().item() <= _ATOL["float32"]
+    source = "\n".join(code)
+    assert "decode_attention" in source
+    assert "clone" not in source and "copy_" not in source, source
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ to its own sequence's cached keys through the block table.
   kernel or the torch path (``triton_rows.py``, ``torch_rows.py``), chosen when the step is
   built; nothing else in the step depends on the choice.
 - ``DecodeGraphStep``: a decode-only step of fixed shapes, as CUDA graphs capture it and
-  ``torch.compile`` traces it: two custom ops per layer.
+  ``torch.compile`` traces it: one custom op per layer, which stores the rows' keys and
+  values and attends.
 
 A new backend is one more ``RowsAttention``; a new attention variant is a field of
 ``AttentionVariant`` that the groups pass on.
@@ -213,12 +214,13 @@ class DecodeGraphStep:
     """A step of single-row sequences with fixed shapes, as a CUDA graph captures it.
 
     ``block_tables`` is flat and its row width lives on the device only, so one graph serves
-    every width. Per layer: ``cbpipe::write_kv_cache``, then ``cbpipe::decode_attention``.
+    every width. Per layer one launch, ``cbpipe::decode_attention``, stores the rows' keys
+    and values and attends them.
     """
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [batch]; padding rows write to the padding block
-    context_lens: torch.Tensor  # [batch] int32; 0 on padding rows, which attend nothing
+    slot_mapping: torch.Tensor  # [batch]; read for the rows with a context only
+    context_lens: torch.Tensor  # [batch] int32; 0 on padding rows, which store and attend nothing
     block_tables: torch.Tensor  # flat int32
     block_table_width: torch.Tensor  # [1] int64 on the device: the slot header's copy
 
@@ -231,11 +233,13 @@ class DecodeGraphStep:
         value: torch.Tensor,
     ) -> torch.Tensor:
         k_cache, v_cache, key, value = _to_cache(layer, key, value)
-        write_with_op(key, value, k_cache, v_cache, self.slot_mapping)
         return torch.ops.cbpipe.decode_attention(
             query,
+            key,
+            value,
             k_cache,
             v_cache,
+            self.slot_mapping,
             self.block_tables,
             self.block_table_width,
             self.context_lens,

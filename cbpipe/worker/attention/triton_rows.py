@@ -6,9 +6,10 @@ arguments: the window and whether there is a soft-cap or sinks select compiled v
 variants of each kernel, both met by the runner's warm-up before serving; nothing in a launch
 depends on a device value, so CUDA graphs capture them and replay them per layer.
 
-Decode rows in CUDA graphs (and under ``torch.compile``) go through two custom ops,
-``cbpipe::write_kv_cache`` and ``cbpipe::decode_attention``: opaque calls that inductor leaves
-alone and graphs capture.
+Decode rows in CUDA graphs (and under ``torch.compile``) go through one custom op a layer,
+``cbpipe::decode_attention``, which stores the rows' keys and values and attends them: an
+opaque call that inductor leaves alone and graphs capture. Eager steps store the rows with
+``cbpipe::write_kv_cache`` before their groups attend.
 """
 
 from __future__ import annotations
@@ -140,11 +141,14 @@ class PrefillKernelRows:
         )
 
 
-@torch.library.custom_op("cbpipe::decode_attention", mutates_args=())
+@torch.library.custom_op("cbpipe::decode_attention", mutates_args=("key_cache", "value_cache"))
 def decode_attention(
     query: torch.Tensor,  # [num_rows, heads, head_dim]
+    key: torch.Tensor,  # [num_rows, kv_heads, head_dim]: each row's own, not yet cached
+    value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_rows]: where each row's key and value belong
     block_tables: torch.Tensor,
     block_table_width: torch.Tensor,
     context_lens: torch.Tensor,
@@ -154,13 +158,13 @@ def decode_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attend one decode row per sequence with the Triton kernel (the rows' keys and values
-    are already in the cache).
+    """Store each decode row's key and value at its slot, and attend the row, in one Triton
+    launch (rows with context length 0 store nothing).
 
-    One opaque op for ``torch.compile``: inductor does not trace into the Triton launch. The
-    variant's arguments are constants of each layer's call, so one compiled graph serves
-    every step."""
-    from cbpipe.worker.kernels.paged_decode import paged_decode_attention
+    One opaque op for ``torch.compile``: inductor does not trace into the Triton launch, and
+    keeps the caches, which it mutates, in place. The variant's arguments are constants of
+    each layer's call, so one compiled graph serves every step."""
+    from cbpipe.worker.kernels.paged_decode import NewRows, paged_decode_attention
 
     return paged_decode_attention(
         query,
@@ -174,6 +178,7 @@ def decode_attention(
         sliding_window=sliding_window,
         softcap=softcap,
         sinks=sinks,
+        new_rows=NewRows(key, value, slot_mapping),
     )
 
 

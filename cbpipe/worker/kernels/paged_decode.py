@@ -40,6 +40,10 @@ Design:
   that were mostly padding anyway; the loads are ``P`` times longer and ``P`` times fewer.
 * Softmax runs in float32 in the base-2 domain (the scale is multiplied by log2(e) once), the
   usual online-softmax rescaling across tiles.
+* The rows' own keys and values (``NewRows``): a decode step's layer stores them in the
+  same launch instead of a kernel of its own before it. The program whose split holds a
+  row's last position stores that row's heads, then waits at a barrier of its threads so
+  that its tile loads see them; no other program reads that slot.
 * A layer's variant (``tiles.py``): with a sliding window the splits divide the keys from
   the tile holding ``context_len - window`` on, so keys before the window are never read;
   a soft-cap bends the scores; sinks start the first split's state at (sink, 1), and the
@@ -53,6 +57,7 @@ Triton's CPU interpreter (``TRITON_INTERPRET=1`` before this module is imported)
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -83,11 +88,39 @@ _SPLIT_PROGRAMS_PER_SM = 2
 _PACKED_HEAD_DIM = 128
 
 
+class NewRows(NamedTuple):
+    """Each sequence's own key and value, for the kernel to store before it attends.
+
+    ``keys`` and ``values`` are ``[num_seqs, num_kv_heads, head_dim]`` of the caches' dtype
+    (any strides, head_dim contiguous); ``slots[s]`` is the cache slot of sequence ``s``'s
+    position ``context_len - 1``, the one its block table maps that position to. Storing them
+    in the attention kernel spares a decode step one launch per layer.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor  # [num_seqs] integer
+
+
 # The split count follows the batch size; specialising on it would compile variants mid-run.
 # The metadata pointers are left general as the prefill kernel's are, though decode rows start
 # each step at the slot's first row, so their alignment never changes; whether specialising
 # them would speed the kernel up is not measured.
-@jit_varying("tables_ptr", "width_ptr", "context_lens_ptr", "num_splits")
+# The new rows (``NewRows``) are views of the model's own outputs, whose strides follow the
+# batch size; like the cache writer's rows they are left general.
+@jit_varying(
+    "tables_ptr",
+    "width_ptr",
+    "context_lens_ptr",
+    "num_splits",
+    "new_k_ptr",
+    "new_v_ptr",
+    "new_slots_ptr",
+    "stride_nk_seq",
+    "stride_nk_head",
+    "stride_nv_seq",
+    "stride_nv_head",
+)
 def _split_kv_kernel(
     q_ptr,
     k_ptr,
@@ -100,6 +133,9 @@ def _split_kv_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    new_slots_ptr,
     stride_q_seq,
     stride_q_head,
     stride_k_slot,
@@ -108,6 +144,10 @@ def _split_kv_kernel(
     stride_v_head,
     stride_o_seq,
     stride_o_head,
+    stride_nk_seq,
+    stride_nk_head,
+    stride_nv_seq,
+    stride_nv_head,
     num_heads,
     num_splits,
     qk_scale,
@@ -123,6 +163,7 @@ def _split_kv_kernel(
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     WRITE_OUTPUT: tl.constexpr,
+    STORE_NEW: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -163,6 +204,30 @@ def _split_kv_kernel(
     start = first_tile + split * per_split
     end = tl.minimum(start + per_split, context_len)
     table = tables_ptr + seq.to(tl.int64) * width
+    k_head = k_ptr + kv_head * stride_k_head
+    v_head = v_ptr + kv_head * stride_v_head
+
+    if STORE_NEW:
+        # The row's own key and value go into the cache first, stored by the one program
+        # whose split holds the row's position: no other program reads that slot, and the
+        # barrier makes the stores visible to this program's loads below. A row with
+        # context_len 0 (a batch's padding) stores nothing.
+        last = context_len - 1
+        store_ok = tl.where((start <= last) & (last < end), dim_ok, False)
+        slot = tl.load(new_slots_ptr + seq).to(tl.int64)
+        new_heads = kv_head + dims // BLOCK_D
+        new_dims = dims % BLOCK_D
+        new_k = tl.load(
+            new_k_ptr + seq * stride_nk_seq + new_heads * stride_nk_head + new_dims,
+            mask=store_ok,
+        )
+        tl.store(k_head + slot * stride_k_slot + dims, new_k, mask=store_ok)
+        new_v = tl.load(
+            new_v_ptr + seq * stride_nv_seq + new_heads * stride_nv_head + new_dims,
+            mask=store_ok,
+        )
+        tl.store(v_head + slot * stride_v_slot + dims, new_v, mask=store_ok)
+        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -175,8 +240,6 @@ def _split_kv_kernel(
             )
             l_i = tl.full([BLOCK_G], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, PACK * BLOCK_D], dtype=tl.float32)
-    k_head = k_ptr + kv_head * stride_k_head
-    v_head = v_ptr + kv_head * stride_v_head
     row_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (context_len - 1)  # for the window only
     # Keys masked at ``end``, no causal mask.
     m_i, l_i, acc = attend_tiles(
@@ -348,6 +411,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     heads_per_program: int | None = None,
     out: torch.Tensor | None = None,
+    new_rows: NewRows | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's one query token to its cached keys and values.
 
@@ -376,6 +440,8 @@ def paged_decode_attention(
             divides the KV heads, >1 only where ``packable_heads`` allows it); None picks
             ``default_heads_per_program``.
         out: optional ``[num_seqs, num_heads, head_dim]`` output of the query's dtype.
+        new_rows: each sequence's own key and value, stored into the caches at their slots
+            before they are attended (``NewRows``); None: they are in the caches already.
 
     Returns:
         ``out`` (allocated if not given).
@@ -396,6 +462,8 @@ def paged_decode_attention(
     out = output_for(query, out)
     if query.stride(2) != 1:
         query = query.contiguous()
+    if new_rows is not None:
+        _check_new_rows(new_rows, num_seqs, key_cache, value_cache)
     heads_per_program, num_splits = launch_grid(
         num_seqs, key_cache, value_cache, query.device, heads_per_program, num_splits
     )
@@ -433,6 +501,7 @@ def paged_decode_attention(
         part_max,
         part_sum,
         part_acc,
+        *(new_rows or (query, query, context_lens)),  # never read without new rows
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -441,6 +510,8 @@ def paged_decode_attention(
         value_cache.stride(1),
         out.stride(0),
         out.stride(1),
+        *(new_rows.keys.stride()[:2] if new_rows else (0, 0)),
+        *(new_rows.values.stride()[:2] if new_rows else (0, 0)),
         num_heads,
         num_splits,
         scale * _LOG2E,
@@ -456,6 +527,7 @@ def paged_decode_attention(
         SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         WRITE_OUTPUT=num_splits == 1,
+        STORE_NEW=new_rows is not None,
         INTERPRETED=_INTERPRETED,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
@@ -477,6 +549,27 @@ def paged_decode_attention(
             SPLITS_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
         )
     return out
+
+
+def _check_new_rows(
+    new_rows: NewRows, num_seqs: int, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> None:
+    row_shape = (num_seqs, *key_cache.shape[1:])
+    keys, values, slots = new_rows
+    if keys.shape != row_shape or values.shape != row_shape or slots.shape != (num_seqs,):
+        raise ValueError(
+            f"new rows: keys {tuple(keys.shape)}, values {tuple(values.shape)} and slots "
+            f"{tuple(slots.shape)} for {num_seqs} sequences of {tuple(row_shape[1:])} rows"
+        )
+    if keys.dtype != key_cache.dtype or values.dtype != value_cache.dtype:
+        raise ValueError(
+            f"new rows of {keys.dtype} and {values.dtype} for caches of {key_cache.dtype} "
+            f"and {value_cache.dtype}: the dtypes must be the same"
+        )
+    if keys.stride(2) != 1 or values.stride(2) != 1:
+        raise ValueError("the new rows' head_dim must be contiguous")
+    if any(t.device != key_cache.device for t in new_rows) or slots.is_floating_point():
+        raise ValueError("new rows: tensors on the caches' device, integer slots")
 
 
 def paged_decode_reference(
