@@ -21,8 +21,14 @@ def test_decode_attention_op_fake_matches_the_kernel(variant: str) -> None:
     tables = torch.arange(5, dtype=torch.int32).repeat(rows)[: rows * 5]
     width = torch.tensor([5])
     lens = torch.tensor([3, 17, 40], dtype=torch.int32)
+    # The rows' own keys and values, stored at the slot of each row's last position.
+    key = torch.randn(kv_heads, rows, head_dim).transpose(0, 1)
+    value = torch.randn(rows, kv_heads, head_dim)
+    slots = torch.tensor([tables[s * 5 + (n - 1) // bs] * bs + (n - 1) % bs for s, n in
+                          enumerate(lens.tolist())])  # fmt: skip
     window, softcap, sinks = (12, 2.0, torch.randn(heads)) if variant != "plain" else (None,) * 3
-    args = (query, k_cache, v_cache, tables, width, lens, bs, 0.25, window, softcap, sinks)
+    args = (query, key, value, k_cache, v_cache, slots, tables, width, lens, bs, 0.25, window,
+            softcap, sinks)  # fmt: skip
     torch.library.opcheck(
         torch.ops.cbpipe.decode_attention.default,
         args,

@@ -42,8 +42,8 @@ Design:
   usual online-softmax rescaling across tiles.
 * The rows' own keys and values (``NewRows``): a decode step's layer stores them in the
   same launch instead of a kernel of its own before it. The program whose split holds a
-  row's last position stores that row's heads, then waits at a barrier of its threads so
-  that its tile loads see them; no other program reads that slot.
+  row's last position attends that key and value from registers after the cached ones, and
+  then stores them; no other program reads that slot, so nothing waits for the store.
 * A layer's variant (``tiles.py``): with a sliding window the splits divide the keys from
   the tile holding ``context_len - window`` on, so keys before the window are never read;
   a soft-cap bends the scores; sinks start the first split's state at (sink, 1), and the
@@ -69,7 +69,7 @@ from cbpipe.worker.kernels.checks import (
     output_for,
     reference_scores,
 )
-from cbpipe.worker.kernels.tiles import attend_tiles, jit_varying
+from cbpipe.worker.kernels.tiles import attend_key, attend_tiles, jit_varying
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -207,27 +207,29 @@ def _split_kv_kernel(
     k_head = k_ptr + kv_head * stride_k_head
     v_head = v_ptr + kv_head * stride_v_head
 
+    cache_end = end
     if STORE_NEW:
-        # The row's own key and value go into the cache first, stored by the one program
-        # whose split holds the row's position: no other program reads that slot, and the
-        # barrier makes the stores visible to this program's loads below. A row with
-        # context_len 0 (a batch's padding) stores nothing.
+        # The row's own key and value: the program whose split holds the row's position
+        # attends them from these registers, the cache's keys stopping short of them, and
+        # stores them into the cache after its loop (no other program reads that slot). The
+        # loads are issued here so that their latency hides behind the loop. A row with
+        # context_len 0 (a batch's padding) attends and stores nothing.
         last = context_len - 1
-        store_ok = tl.where((start <= last) & (last < end), dim_ok, False)
-        slot = tl.load(new_slots_ptr + seq).to(tl.int64)
+        owns_last = (start <= last) & (last < end)
+        cache_end = tl.where(owns_last, last, end)
+        new_ok = tl.where(owns_last, dim_ok, False)
         new_heads = kv_head + dims // BLOCK_D
         new_dims = dims % BLOCK_D
         new_k = tl.load(
             new_k_ptr + seq * stride_nk_seq + new_heads * stride_nk_head + new_dims,
-            mask=store_ok,
+            mask=new_ok,
+            other=0.0,
         )
-        tl.store(k_head + slot * stride_k_slot + dims, new_k, mask=store_ok)
         new_v = tl.load(
             new_v_ptr + seq * stride_nv_seq + new_heads * stride_nv_head + new_dims,
-            mask=store_ok,
+            mask=new_ok,
+            other=0.0,
         )
-        tl.store(v_head + slot * stride_v_slot + dims, new_v, mask=store_ok)
-        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -241,12 +243,19 @@ def _split_kv_kernel(
             l_i = tl.full([BLOCK_G], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, PACK * BLOCK_D], dtype=tl.float32)
     row_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (context_len - 1)  # for the window only
-    # Keys masked at ``end``, no causal mask.
+    # Keys masked at ``cache_end``, no causal mask.
     m_i, l_i, acc = attend_tiles(
-        q, m_i, l_i, acc, start, end, end, row_pos, table, k_head, v_head, stride_k_slot,
-        stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype, BLOCK_SIZE, BLOCK_N, True,
-        False, WINDOW, SOFTCAP, INTERPRETED,
+        q, m_i, l_i, acc, start, cache_end, cache_end, row_pos, table, k_head, v_head,
+        stride_k_slot, stride_v_slot, qk_scale, softcap, dims, dim_ok, io_dtype, BLOCK_SIZE,
+        BLOCK_N, True, False, WINDOW, SOFTCAP, INTERPRETED,
     )  # fmt: skip
+    if STORE_NEW:
+        m_i, l_i, acc = attend_key(
+            q, m_i, l_i, acc, new_k, new_v, owns_last, qk_scale, softcap, io_dtype, SOFTCAP
+        )
+        slot = tl.load(new_slots_ptr + seq).to(tl.int64)
+        tl.store(k_head + slot * stride_k_slot + dims, new_k, mask=new_ok)
+        tl.store(v_head + slot * stride_v_slot + dims, new_v, mask=new_ok)
 
     if WRITE_OUTPUT:
         # One split: an empty sequence leaves l_i = 0 and acc = 0: its output is zeros.

@@ -127,6 +127,39 @@ def _attend_tile(
 
 
 @triton.jit
+def attend_key(
+    q,
+    m_i,
+    l_i,
+    acc,
+    key,
+    value,
+    seen,
+    qk_scale,
+    softcap,
+    io_dtype: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """Update the state with one key and value held in registers (``[dims]`` each), which
+    every row sees if ``seen`` and none otherwise; each row's query is zero outside its own
+    head's dims, so a row's product with packed keys is its own head's score."""
+    scores = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1) * qk_scale
+    if SOFTCAP:
+        scores = softcap * _tanh(scores / softcap)
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m_i, scores)
+    # A row that has seen no key (an empty split) keeps m = -inf: subtract 0, not -inf.
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(scores - m_use)
+    l_i = l_i * alpha + p
+    # p is rounded to the input dtype, as the tiles round it before their product with v.
+    p = p.to(io_dtype).to(tl.float32)
+    acc = acc * alpha[:, None] + p[:, None] * value.to(tl.float32)[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def attend_tiles(
     q,
     m_i,
