@@ -668,9 +668,9 @@ class StepRunner:
         """A decode-only step padded to ``batch`` rows, with no host value that varies.
 
         How many rows are real and how wide the block tables are come from the slot header's
-        device copy; padding rows store no keys and attend nothing, and their samples land past
-        the ``num_seqs`` rows anyone reads. A FULL
-        step's resets and bias entries ran before the replay (``_prepare_state``).
+        device copy; padding rows store no keys and attend nothing, and their samples land
+        past the ``num_seqs`` rows anyone reads. A FULL step's resets and bias entries ran
+        before the replay (``_prepare_state``).
         """
         logits, valid, input_ids = self._decode_forward(slot, batch)
         self.sampling.sample_decode_rows(slot, logits, batch, variant, valid, input_ids)

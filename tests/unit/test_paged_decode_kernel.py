@@ -169,9 +169,9 @@ CPU_CASES = [
         softcap=0.7,
         heads_per_program=2,
     ),  # fmt: skip
-    # The kernel stores each row's own key and value before attending: the slot it stores
-    # holds stale data until then, the split that owns the last position stores it, and
-    # rows with context 0 store nothing.
+    # Each row's own key and value given apart: the kernel attends them and stores them. The
+    # slot holds stale data until then, only the split that owns the last position attends
+    # and stores them, and rows with context 0 store nothing.
     Case("store-edges-fp32", "float32", 16, (*_edges(16), 0), 2, 4, 64, 1, new_rows=True),
     Case("store-split3-fp32", "float32", 16, (700, 300, 0, 1), 1, 4, 64, 3, new_rows=True),
     Case("store-split7-more-than-tiles", "float32", 8, (17, 1, 0, 70), 2, 4, 64, 7, new_rows=True),

@@ -89,7 +89,7 @@ _PACKED_HEAD_DIM = 128
 
 
 class NewRows(NamedTuple):
-    """Each sequence's own key and value, for the kernel to store before it attends.
+    """Each sequence's own key and value, which the kernel attends and then stores.
 
     ``keys`` and ``values`` are ``[num_seqs, num_kv_heads, head_dim]`` of the caches' dtype
     (any strides, head_dim contiguous); ``slots[s]`` is the cache slot of sequence ``s``'s
@@ -449,8 +449,8 @@ def paged_decode_attention(
             divides the KV heads, >1 only where ``packable_heads`` allows it); None picks
             ``default_heads_per_program``.
         out: optional ``[num_seqs, num_heads, head_dim]`` output of the query's dtype.
-        new_rows: each sequence's own key and value, stored into the caches at their slots
-            before they are attended (``NewRows``); None: they are in the caches already.
+        new_rows: each sequence's own key and value, not yet in the caches: attended, then
+            stored at their slots (``NewRows``); None: they are in the caches already.
 
     Returns:
         ``out`` (allocated if not given).
