@@ -39,7 +39,7 @@ from hf_baseline import BaselineResult, run_transformers  # scripts/, beside thi
 from cbpipe.client import Client, Job
 from cbpipe.engine_process import EngineProcess
 from cbpipe.roofline import DecodeBytes, copy_bandwidth, decode_bytes, floor_seconds
-from cbpipe.trace import busy_stats, decode_phase, load_steps
+from cbpipe.trace import StepRecord, busy_stats, decode_phase, load_steps
 
 MODES = ("async", "sync")
 WARMUP_PROMPT_LEN = 16
@@ -102,6 +102,13 @@ class ModeResult:
     floor_ratio: float | None = None  # decode_s / decode_floor_s
     # With --rehearse: requests whose tokens equal the rehearsal's, on the same engine
     same_as_rehearsal: int | None = None
+    # What the wall time holds besides the decode phase: the ramp, from the first submit to
+    # the first decode-only step (the prompts' prefill, in steps with prefill rows), and the
+    # tail, from the last step's end to the last result in the client's hands.
+    ramp_s: float = 0.0
+    ramp_steps: int = 0
+    ramp_device_s: float = 0.0  # those steps' device time
+    tail_ms: float = 0.0
 
 
 # --- arguments and workload -----------------------------------------------------------------
@@ -268,9 +275,11 @@ def run_mode(
             print(f"{mode} engine: {line}")
     # The scheduler writes the trace as it stops; steps of the warm-up come before the
     # measurement's first submit, and steps of a ramp before its last (ModeResult).
-    measured = [r for r in load_steps(trace) if r.schedule_start_ns >= result.submitted_ns]
+    steps = load_steps(trace)
+    measured = [r for r in steps if r.schedule_start_ns >= result.submitted_ns]
     phase = decode_phase(measured)
     decodes = [r for r in phase if r.is_decode_only]
+    result = replace(result, **ramp_and_tail(steps, result, phase))
     stats, decode_stats = busy_stats(phase), busy_stats(decodes)
     if floor is not None and decodes:
         decode_s = sum(r.device_end_ns - r.device_start_ns for r in decodes) / 1e9
@@ -296,6 +305,23 @@ def run_mode(
         median_to_scheduler_ms=round(stats.median_to_scheduler_ms, 3),
     )
     return result, outputs
+
+
+def ramp_and_tail(
+    steps: list[StepRecord], result: ModeResult, phase: list[StepRecord]
+) -> dict[str, float | int]:
+    """``ModeResult``'s ramp and tail, on the trace's clock (the client's ``perf_counter``)."""
+    if not phase:
+        return {}
+    phase_start, phase_end = phase[0].device_start_ns, phase[-1].device_end_ns
+    ramp = [r for r in steps if result.start_ns <= r.device_start_ns < phase_start]
+    end_ns = result.start_ns + result.wall_s * 1e9
+    return {
+        "ramp_s": round((phase_start - result.start_ns) / 1e9, 4),
+        "ramp_steps": len(ramp),
+        "ramp_device_s": round(sum(r.device_end_ns - r.device_start_ns for r in ramp) / 1e9, 4),
+        "tail_ms": round((end_ns - phase_end) / 1e6, 2),
+    }
 
 
 def _run_on(
@@ -422,6 +448,10 @@ ROWS = (
     ("decode floor s", "decode_floor_s", "{:.2f}"),
     ("x floor", "floor_ratio", "{:.2f}"),
     ("same as rehearsal", "same_as_rehearsal", "{}"),
+    ("ramp s (to decode-only)", "ramp_s", "{:.3f}"),
+    ("ramp steps", "ramp_steps", "{}"),
+    ("ramp device s", "ramp_device_s", "{:.3f}"),
+    ("tail ms", "tail_ms", "{:.1f}"),
 )
 
 

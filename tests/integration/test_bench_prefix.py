@@ -33,6 +33,11 @@ def test_a_shared_system_prompt_is_served_from_the_cache(tmp_path: Path) -> None
     assert uncached["prefix_hit_rate"] is None  # nothing is looked up
     assert report["same_tokens_without_the_prefix_cache"]["async"] == 6
     assert "with the prefix cache" in run.stdout
+    # The wall time splits into the prompts' ramp, the decode phase and the tail.
+    for mode in (cached, uncached):
+        assert mode["ramp_steps"] >= 1
+        assert 0 < mode["ramp_device_s"] <= mode["ramp_s"] < mode["wall_s"]
+        assert 0 <= mode["tail_ms"] < mode["wall_s"] * 1e3
 
 
 def test_multi_turn_conversations_find_their_history_in_the_cache(tmp_path: Path) -> None:
