@@ -298,9 +298,14 @@ if want step1b; then
                 "${flags:+$flags}"
             # shellcheck disable=SC2086  # the flags are word-split on purpose
             timeout -k 10 240 "$PY" scripts/profile_step.py --model "random:$model" \
-                --batch "$batch" --context "$context" --steps 30 --compile-decode $flags 2>&1 |
-                grep -v '^USDT' | head -60
-            echo "exit code ${PIPESTATUS[0]}"
+                --batch "$batch" --context "$context" --steps 30 --compile-decode $flags \
+                >"$OUT/.profile.log" 2>&1
+            rc=$?
+            # The profile's table first; a failure's cause is at the end.
+            grep -v '^USDT' "$OUT/.profile.log" | head -60
+            [ "$rc" = 0 ] || { echo "..."; tail -25 "$OUT/.profile.log"; }
+            rm -f "$OUT/.profile.log"
+            echo "exit code $rc"
         done
     } 2>&1 | tee "$OUT/step1b.log"
     rcs+=("step1b=$(grep '^exit code' "$OUT/step1b.log" | awk '{print $3}' | paste -sd/ -)")

@@ -49,6 +49,7 @@ from cbpipe.worker.attention import (
     DecodeKernel,
     KVCache,
     ModelAttention,
+    OpaqueStep,
     PagedStep,
     PrefillKernel,
     StepAttention,
@@ -186,8 +187,10 @@ class StepRunner:
         ``graph_batch_sizes``: decode batch sizes to capture CUDA graphs for (none: eager).
 
         On the CPU they are not captured but run as the same fixed-size body (for tests).
-        ``compile_decode``: run the graphs' forward through ``torch.compile``, which fuses the
-        small element-wise kernels between the matrix products and the attention op.
+        ``compile_decode``: run the decoder layers through ``torch.compile``, which fuses the
+        small element-wise kernels between the matrix products and the attention op: the
+        decode graphs' forward, and eager steps of two rows or more (prefill chunks beside
+        decodes), which then launch a few kernels a layer instead of dozens.
         ``sampling_state``: the per-request rows of the full sampler; the worker allocates it
         before sizing the KV cache, and a runner without one allocates its own.
         ``full_sampling_graphs``: capture the full sampler's decode variants too (without:
@@ -223,9 +226,10 @@ class StepRunner:
         self._last_d2h: torch.cuda.Event | None = None  # the last launched step's outputs copied
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
-        # Sizes vary only by bucket; dynamic shapes give one compiled graph for all of them.
-        self.compiled = compile_decode  # whether decode graphs run a compiled forward
-        self._decode_model = compile_layers(model, compile_decode_fn) if compile_decode else model
+        # Dynamic shapes and the opaque attention op (``OpaqueStep``) give one compiled graph
+        # of each decoder layer for every bucket and every eager step's make-up.
+        self.compiled = compile_decode
+        self._compiled_model = compile_layers(model, compile_decode_fn) if compile_decode else None
         self.vocab = logits_width(model)
         if sampling_state is None:
             sampling_state = SamplingState.allocate(layout.limits.max_seqs, self.vocab, device)
@@ -252,15 +256,19 @@ class StepRunner:
                 raise RuntimeError(f"cudaHostRegister failed with status {status}")
             self._registered_ptr = host.data_ptr()
         try:
-            if self.cuda and (decode_kernel is not None or prefill_kernel is not None):
-                self.warm_up()
             if graph_batch_sizes:
-                self._capture_graphs(graph_batch_sizes, full_sampling_graphs)
+                self._capture_graphs(graph_batch_sizes, full_sampling_graphs)  # warms up too
+            else:
+                self._warm_up_kernels()
         except BaseException:
             # A failed start (a graph that cannot be captured) must not leave the segment
             # registered: a later segment mapped at the same address would fail to register.
             self.close()
             raise
+
+    def _warm_up_kernels(self) -> None:
+        if self.cuda and (self.decode_kernel is not None or self.prefill_kernel is not None):
+            self.warm_up()
 
     def warm_up(self) -> None:
         """Run eager steps of every shape class a server meets, before it serves.
@@ -347,6 +355,8 @@ class StepRunner:
             )
         if self.compiled:
             batch_sizes = compiled_bucket_sizes(batch_sizes)
+        else:
+            self._warm_up_kernels()
         compiles_before = dynamo_graphs()
         started = time.perf_counter()
         assert self.graph_slot is not None
@@ -358,13 +368,14 @@ class StepRunner:
                 stream=self.compute_stream,
                 first_batch=tuning_batch(batch_sizes) if self.compiled else None,
                 full_sampling=full_sampling,
-                after_first_run=self._before_sampler_compiles,
+                after_first_run=self._after_layers_compiled if self.compiled else None,
             )
         elapsed = time.perf_counter() - started
         first_runs = sum(self.graphs.first_run_s.values())  # the compile, if any
         if self.compiled:
             self.startup_seconds["compile"] = first_runs
-        self.startup_seconds["capture"] = elapsed - first_runs
+        warm_up = self.startup_seconds.get("warm-up", 0.0) if self.compiled else 0.0
+        self.startup_seconds["capture"] = elapsed - first_runs - warm_up
         log.info(
             "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s",
             len(self.graphs),
@@ -375,6 +386,15 @@ class StepRunner:
         )
         if self.compiled:
             log.info("compile phases, longest first (they nest): %s", compile_phases())
+
+    def _after_layers_compiled(self) -> None:
+        """Between the layers' compile (the first body's run, at the tuning batch) and the
+        samplers' first runs: the warm-up, whose eager steps run the compiled layers as served
+        steps do, while the compile-ahead processes finish the samplers; then the wait for
+        those processes."""
+        self._warm_up_kernels()
+        if self._before_sampler_compiles is not None:
+            self._before_sampler_compiles()
 
     def _compile_summary(self, compiles_before: int) -> str:
         """How long the first run of each variant took (its compile), and how many graphs
@@ -625,10 +645,10 @@ class StepRunner:
         if not step.prompt_logprobs:
             decode_only = step.num_single_token_seqs == s
             logits_rows = 0 if decode_only else inputs.query_start[1 : s + 1].long() - 1
-            return self._forward(self.model, input_ids, positions, paged, logits_rows)
+            return self._forward(input_ids, positions, paged, logits_rows)
         assert seq_of_row is not None
         kept, last = self._prompt_logits_rows(inputs, seq_of_row, s, facts.num_logits_rows)
-        logits = self._forward(self.model, input_ids, positions, paged, kept)
+        logits = self._forward(input_ids, positions, paged, kept)
         self._write_prompt_logprobs(slot, logits, kept)
         return logits[last]
 
@@ -693,7 +713,7 @@ class StepRunner:
             inputs.header[_WIDTH : _WIDTH + 1],
         )
         positions = inputs.positions[:batch]
-        logits = self._forward(self._decode_model, input_ids, positions, paged, logits_rows=0)
+        logits = self._forward(input_ids, positions, paged, logits_rows=0)
         return logits, valid, input_ids
 
     def _carry_over(
@@ -708,15 +728,24 @@ class StepRunner:
 
     def _forward(
         self,
-        model: torch.nn.Module,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        paged: StepAttention,
+        paged: PagedStep | DecodeGraphStep,
         logits_rows: torch.Tensor | int,
     ) -> torch.Tensor:
+        """The model's forward over the step's rows, through the compiled layers where there
+        are some and the step has two rows or more: dynamo makes sizes 0 and 1 constants, so
+        a row count of 1 would compile the layers again, for one row alone."""
+        binding = self.attention.binding
+        model: torch.nn.Module = self.model
+        step: StepAttention = paged
+        settings: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self._compiled_model is not None and input_ids.shape[0] > 1:
+            model, step = self._compiled_model, OpaqueStep(paged, binding.number)
+            settings = decode_compile_settings()  # as they compiled, should a guard fail
         # The step reaches every layer's attention through the binding, whatever the model's
         # layers pass on (attention/binding.py); it is unbound when the forward returns.
-        with self.attention.binding.bind(paged):
+        with settings, binding.bind(step):
             return model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],

@@ -9,13 +9,16 @@ decodes and carries tokens over.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
 from cbpipe.protocol.messages import Step
 from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.worker.attention import PagedStep
 from cbpipe.worker.cuda_graphs import Replayable
 from tests.harness import InProcessEngine, reference_greedy
 
@@ -152,12 +155,15 @@ def test_random_arrivals_interleaving_and_cancellation() -> None:
 
 @needs_embedded
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_decode_graph_bodies_with_the_triton_kernel_match_generate(compiled: bool) -> None:
+def test_decode_graph_bodies_with_the_triton_kernel_match_generate(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The padded decode body that CUDA graphs capture, and the Triton decode kernel, on the
     CPU: the body runs uncaptured at its bucket's fixed size (rows past ``num_seqs`` are
     padding) and the kernel under Triton's interpreter. Steps flip between async and sync,
     so carry-over into a replayed body is exercised too. Compiled: the forward goes through
-    ``torch.compile`` (inductor's CPU code here), with the attention op left opaque."""
+    ``torch.compile`` (inductor's CPU code here), with the attention op left opaque, and so
+    do the eager steps of prefill chunks: through the same compiled graph of the layer."""
     source = resolve_model(EMBEDDED)
     rng = random.Random(5)
     prompts = _prompts(rng, source.config.vocab_size, count=7, longest=60)
@@ -186,8 +192,27 @@ def test_decode_graph_bodies_with_the_triton_kernel_match_generate(compiled: boo
         return found[-1]
 
     graphs.find = counting_find  # type: ignore[method-assign]
+    # Eager steps attend through the step itself, or through the compiled layers' op.
+    attend, attend_cache, calls = PagedStep.attend, PagedStep.attend_cache, Counter[str]()
+
+    def counting_attend(self: PagedStep, *args: object) -> torch.Tensor:
+        calls["direct"] += 1
+        return attend(self, *args)  # type: ignore[arg-type]
+
+    def counting_attend_cache(self: PagedStep, *args: object) -> torch.Tensor:
+        calls["in all"] += 1
+        return attend_cache(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PagedStep, "attend", counting_attend)
+    monkeypatch.setattr(PagedStep, "attend_cache", counting_attend_cache)
     _check_against_reference(engine, EMBEDDED, prompts, params, eos=None, mode="random")
     assert sum(r is not None for r in found) >= 10, "too few decode steps replayed"
+    assert sum(r is None for r in found) >= 3, "too few eager steps"
+    if compiled:  # every eager step (prefill chunks, 2 to 64 rows) ran the compiled layers
+        assert calls["direct"] == 0 and calls["in all"] > 0, calls
+        assert counters["stats"]["unique_graphs"] == compiled_before
+    else:
+        assert calls["direct"] == calls["in all"] > 0, calls
 
 
 @needs_embedded

@@ -126,22 +126,33 @@ def _compiled_kernel_variants() -> int:
     return total
 
 
-def test_no_kernel_compiles_while_serving_after_warm_up() -> None:
+@pytest.mark.parametrize(
+    ("block_size", "compiled"), [(8, False), (32, True)], ids=["eager", "compiled"]
+)
+def test_no_kernel_compiles_while_serving_after_warm_up(block_size: int, compiled: bool) -> None:
     """Start-up's warm-up compiles every kernel variant eager steps meet, so none stalls a
-    running server (the first H200 runs spent 1.3-1.7 s per new variant mid-run)."""
+    running server (the first H200 runs spent 1.3-1.7 s per new variant mid-run). Compiled,
+    the eager steps run the decode graphs' compiled layers, and dynamo compiles nothing
+    after the start either."""
+    from cbpipe.worker.compiling import dynamo_graphs
+
     source = resolve_model(EMBEDDED)
     before_start = _compiled_kernel_variants()
-    # Block size 8: constants no other test uses, so this engine's variants are new here.
+    # Block sizes no other test uses: constants of the kernels, so this engine's variants
+    # are new here.
     engine = InProcessEngine(
         EMBEDDED,
-        block_size=8,
+        block_size=block_size,
         max_batch_tokens=96,
         max_num_seqs=12,
         device=torch.device("cuda"),
-        cuda_graphs=False,  # eager decode steps too: every batch size takes the kernels
+        # Eager: eager decode steps too, so every batch size takes the kernels.
+        cuda_graphs=compiled,
+        compile_decode=compiled,
     )
     try:
         after_start = _compiled_kernel_variants()
+        graphs_after_start = dynamo_graphs()
         assert after_start > before_start
         rng = random.Random(5)
         prompts = [
@@ -153,5 +164,6 @@ def test_no_kernel_compiles_while_serving_after_warm_up() -> None:
         ]
         engine.generate(prompts, params, mode="random", rng=random.Random(2))
         assert _compiled_kernel_variants() == after_start
+        assert dynamo_graphs() == graphs_after_start
     finally:
         engine.close()

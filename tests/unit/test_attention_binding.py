@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, StableLmConfig
 
 from cbpipe.models import ModelSource
-from cbpipe.worker.attention import AttentionVariant, StepBinding
+from cbpipe.worker.attention import AttentionVariant, KVCache, OpaqueStep, PagedStep, StepBinding
 from cbpipe.worker.attention.probe import ProbeStep, dense_attention
 from cbpipe.worker.model_loader import load_paged_model
 
@@ -159,3 +159,69 @@ def test_dense_attention_matches_transformers_sliding_window_mask() -> None:
     scores = (query[:, 0] @ key[:, 0].T).masked_fill(~allowed, float("-inf"))
     torch.testing.assert_close(got, scores.softmax(-1) @ value[:, 0])
     assert allowed.sum(1).tolist() == [min(q + 1, window) for q in range(n)]
+
+
+def _mixed_step() -> tuple[PagedStep, dict[str, torch.Tensor]]:
+    """A torch-path step on the CPU: one decode row (context 5), then a prefill chunk of 3
+    rows after 2 cached ones; blocks of 4, each sequence's own."""
+    torch.manual_seed(0)
+    bs, kv_heads, heads, dim = 4, 2, 4, 8
+    cache = KVCache([torch.randn(5 * bs, kv_heads, dim)], [torch.randn(5 * bs, kv_heads, dim)],
+                    bs, 4)  # fmt: skip
+    paged = PagedStep.build(
+        cache,
+        slot_mapping=torch.tensor([4, 10, 11, 12]),
+        positions=torch.tensor([4, 2, 3, 4]),
+        query_start=torch.tensor([0, 1, 4], dtype=torch.int32),
+        context_lens=torch.tensor([5, 5], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        block_table_width=torch.tensor([2]),
+        num_single_token_seqs=1,
+        max_query_len=3,
+        max_context_len=5,
+        kv_group_size=heads // kv_heads,
+    )
+    rows = dict(
+        query=torch.randn(heads, 4, dim).transpose(0, 1),  # a transposed view, as models give
+        key=torch.randn(4, kv_heads, dim),
+        value=torch.randn(4, kv_heads, dim),
+        key_cache=cache.keys[0],
+        value_cache=cache.values[0],
+    )
+    return paged, rows
+
+
+def _op_args(rows: dict[str, torch.Tensor], binding: int) -> tuple[object, ...]:
+    return (*rows.values(), binding, 0.5, None, None, None)
+
+
+def test_the_step_attention_op_runs_the_bound_steps_attention() -> None:
+    """``cbpipe::step_attention`` is how a compiled layer reaches the step: it finds the
+    ``OpaqueStep`` bound to the binding it names and runs its step, caches and all."""
+    paged, rows = _mixed_step()
+    expected_rows = {name: t.clone() for name, t in rows.items()}
+    expected = paged.attend_cache(AttentionVariant(0.5), expected_rows["query"],
+                                  expected_rows["key_cache"], expected_rows["value_cache"],
+                                  expected_rows["key"], expected_rows["value"])  # fmt: skip
+    binding, other = StepBinding(), StepBinding()
+    op = torch.ops.cbpipe.step_attention.default
+    with binding.bind(OpaqueStep(paged, binding.number)):
+        got = op(*_op_args(rows, binding.number))
+        with pytest.raises(RuntimeError, match="outside StepBinding.bind"):
+            op(*_op_args(rows, other.number))  # another model's binding: nothing bound there
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(rows["key_cache"], expected_rows["key_cache"])
+    torch.testing.assert_close(rows["value_cache"], expected_rows["value_cache"])
+    with binding.bind(paged), pytest.raises(RuntimeError, match="with a PagedStep bound"):
+        op(*_op_args(rows, binding.number))
+
+
+def test_the_step_attention_op_declares_what_it_mutates_and_returns() -> None:
+    paged, rows = _mixed_step()
+    binding = StepBinding()
+    with binding.bind(OpaqueStep(paged, binding.number)):
+        torch.library.opcheck(
+            torch.ops.cbpipe.step_attention.default,
+            _op_args(rows, binding.number),
+            test_utils=("test_schema", "test_faketensor"),
+        )

@@ -6,7 +6,8 @@
 - ``binding.py``: the attention function registered with ``AttentionInterface`` for each
   model, and the scoped ``StepBinding`` through which a step reaches every layer.
 - ``paged.py``: the steps the runner binds (``PagedStep`` eagerly, ``DecodeGraphStep`` in CUDA
-  graphs) and the ``RowsAttention`` seam between a step and a backend.
+  graphs, either behind ``OpaqueStep`` in a compiled forward) and the ``RowsAttention`` seam
+  between a step and a backend.
 - ``torch_rows.py`` and ``triton_rows.py``: the backends (gather + SDPA; the Triton kernels).
 - ``probe.py``: the load-time probe that refuses models paged attention would serve wrongly.
 """
@@ -15,6 +16,7 @@ from cbpipe.worker.attention.binding import StepAttention, StepBinding, register
 from cbpipe.worker.attention.paged import (
     DecodeGraphStep,
     KVCache,
+    OpaqueStep,
     PagedStep,
     RowsAttention,
     attach_kv_cache,
@@ -38,6 +40,7 @@ __all__ = [
     "KVCache",
     "LayerAttention",
     "ModelAttention",
+    "OpaqueStep",
     "PagedStep",
     "PrefillKernel",
     "RowsAttention",

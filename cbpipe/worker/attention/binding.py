@@ -13,10 +13,12 @@ clears it (also when the forward raises), refuses to nest, and an attention call
 ``bind`` raises instead of reusing an old step. It is owned by the loaded model's
 ``ModelAttention`` and passed explicitly to the runner; nothing about it is module-level.
 
-Under ``torch.compile`` (decode graph bodies with ``--compile-decode``) dynamo traces the
-attribute reads through the binding like reads of a forward argument: the step's tensors
-become graph inputs, with one compiled graph for every step (checked on the CPU in
-``tests/unit/test_attention_binding.py``).
+Under ``torch.compile`` dynamo traces the attribute reads through the binding like reads of a
+forward argument: the step's tensors become graph inputs, with one compiled graph for every
+step (checked on the CPU in ``tests/unit/test_attention_binding.py``). The runner's compiled
+forward binds an ``OpaqueStep`` (``paged.py``), which shows dynamo one custom op per layer
+and nothing of the step: the op finds the step again through ``bound_step``, by the
+binding's number.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -56,6 +59,7 @@ class StepAttention(Protocol):
 # with an ``id()`` in it changed the compiled forward's cache key in every process and the
 # compile cache never served it.
 _binding_numbers = itertools.count()
+_bindings: weakref.WeakValueDictionary[int, StepBinding] = weakref.WeakValueDictionary()
 
 
 class StepBinding:
@@ -64,6 +68,7 @@ class StepBinding:
     def __init__(self) -> None:
         self._step: StepAttention | None = None
         self.number = next(_binding_numbers)
+        _bindings[self.number] = self
 
     @property
     def attn_implementation(self) -> str:
@@ -93,6 +98,15 @@ class StepBinding:
                 "without a step"
             )
         return self._step
+
+
+def bound_step(number: int) -> StepAttention:
+    """The step bound now to the binding numbered ``number``: how a custom op, which takes
+    no Python objects, reaches the step of the forward it runs in."""
+    binding = _bindings.get(number)
+    if binding is None:
+        raise RuntimeError(f"no attention binding numbered {number} in this process")
+    return binding.step
 
 
 def register(binding: StepBinding) -> str:

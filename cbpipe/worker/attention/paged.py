@@ -9,9 +9,11 @@ to its own sequence's cached keys through the block table.
   (prefill chunks), so a long chunk never pads the decode batch. Each group takes the Triton
   kernel or the torch path (``triton_rows.py``, ``torch_rows.py``), chosen when the step is
   built; nothing else in the step depends on the choice.
-- ``DecodeGraphStep``: a decode-only step of fixed shapes, as CUDA graphs capture it and
-  ``torch.compile`` traces it: one custom op per layer, which stores the rows' keys and
-  values and attends.
+- ``DecodeGraphStep``: a decode-only step of fixed shapes, as CUDA graphs capture it: one
+  custom op per layer, which stores the rows' keys and values and attends.
+- ``OpaqueStep``: either of them under ``torch.compile``. Dynamo sees one custom op per
+  layer, ``cbpipe::step_attention``, and none of the step's metadata, so the one compiled
+  graph of a decoder layer serves the decode graphs and the eager steps of any make-up.
 
 A new backend is one more ``RowsAttention``; a new attention variant is a field of
 ``AttentionVariant`` that the groups pass on.
@@ -25,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from cbpipe.worker.attention.binding import bound_step
 from cbpipe.worker.attention.torch_rows import GatheredRows, gather_index
 from cbpipe.worker.attention.triton_rows import (
     DecodeKernel,
@@ -111,6 +114,20 @@ def _to_cache(
     return k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype)
 
 
+class CacheAttention(Protocol):
+    """A step's attention for one layer, given that layer's part of the cache."""
+
+    def attend_cache(
+        self,
+        variant: AttentionVariant,
+        query: torch.Tensor,  # [num_tokens, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,  # [num_tokens, kv_heads, head_dim], in the cache's dtype
+        value: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
 @dataclass
 class PagedStep:
     """Any step's attention, eagerly: the cache write, then each group of rows."""
@@ -128,7 +145,17 @@ class PagedStep:
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
-        k_cache, v_cache, key, value = _to_cache(layer, key, value)
+        return self.attend_cache(variant, query, *_to_cache(layer, key, value))
+
+    def attend_cache(
+        self,
+        variant: AttentionVariant,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
         self.write(key, value, k_cache, v_cache, self.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in self.groups:
@@ -232,7 +259,17 @@ class DecodeGraphStep:
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
-        k_cache, v_cache, key, value = _to_cache(layer, key, value)
+        return self.attend_cache(variant, query, *_to_cache(layer, key, value))
+
+    def attend_cache(
+        self,
+        variant: AttentionVariant,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
         return torch.ops.cbpipe.decode_attention(
             query,
             key,
@@ -249,3 +286,69 @@ class DecodeGraphStep:
             variant.softcap,
             variant.sinks,
         )
+
+
+@dataclass
+class OpaqueStep:
+    """``step`` as a compiled forward sees it: each layer's attention is one call of
+    ``cbpipe::step_attention``, whose arguments are the layer's tensors and constants and the
+    binding's number.
+
+    Dynamo traces this ``attend`` and not ``step``'s, so nothing of the step (its groups,
+    lengths, kernels, metadata tensors) becomes a guard or a graph input: a decode graph body
+    and an eager step of prefill chunks run the same compiled graph of each decoder layer.
+    The op runs ``step`` eagerly: in a CUDA graph's capture its launches are recorded, in an
+    eager step they run.
+    """
+
+    step: CacheAttention
+    binding: int  # the number of the binding this step is bound to (``bound_step``)
+
+    def attend(
+        self,
+        layer: torch.nn.Module,
+        variant: AttentionVariant,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        k_cache, v_cache, key, value = _to_cache(layer, key, value)
+        return torch.ops.cbpipe.step_attention(
+            query,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            self.binding,
+            variant.scaling,
+            variant.sliding_window,
+            variant.softcap,
+            variant.sinks,
+        )
+
+
+@torch.library.custom_op("cbpipe::step_attention", mutates_args=("key_cache", "value_cache"))
+def step_attention(
+    query: torch.Tensor,  # [num_tokens, heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    binding: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The attention of the ``OpaqueStep`` bound to binding number ``binding``, for one layer:
+    store the rows' keys and values, attend."""
+    step = bound_step(binding)
+    if not isinstance(step, OpaqueStep):
+        raise RuntimeError(f"cbpipe::step_attention ran with a {type(step).__name__} bound")
+    variant = AttentionVariant(scale, sliding_window, softcap, sinks)
+    return step.step.attend_cache(variant, query, key_cache, value_cache, key, value)
+
+
+@step_attention.register_fake
+def _step_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
+    return query.new_empty(query.shape)  # contiguous, as both kinds of step allocate it
