@@ -80,12 +80,20 @@ def write_by_index(
     v_cache[slot_mapping] = value
 
 
-def write_with_op(
+def write_with_kernel(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:  # fmt: skip
-    """``cbpipe::write_kv_cache``: one Triton launch per layer on CUDA."""
-    torch.ops.cbpipe.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    """One Triton launch a layer on CUDA (``kernels/cache_write.py``), index assignment
+    elsewhere. A plain call, not an op: eager steps reach it directly or from inside
+    ``cbpipe::step_attention``, and an op's dispatch of its own cost tens of microseconds of
+    host time a layer in steps whose host time bounds them."""
+    if not key.is_cuda:
+        write_by_index(key, value, k_cache, v_cache, slot_mapping)
+        return
+    from cbpipe.worker.kernels.cache_write import write_kv_cache
+
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 # Each attention module holds its layer's part of the cache as two buffers (not saved with
@@ -232,7 +240,7 @@ class PagedStep:
                 )
             )
         kernels = decode_kernel is not None or prefill_kernel is not None
-        return cls(kv_cache, slot_mapping, write_with_op if kernels else write_by_index,
+        return cls(kv_cache, slot_mapping, write_with_kernel if kernels else write_by_index,
                    tuple(groups))  # fmt: skip
 
 

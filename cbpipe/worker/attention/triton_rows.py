@@ -6,10 +6,9 @@ arguments: the window and whether there is a soft-cap or sinks select compiled v
 variants of each kernel, both met by the runner's warm-up before serving; nothing in a launch
 depends on a device value, so CUDA graphs capture them and replay them per layer.
 
-Decode rows in CUDA graphs (and under ``torch.compile``) go through one custom op a layer,
-``cbpipe::decode_attention``, which stores the rows' keys and values and attends them: an
-opaque call that inductor leaves alone and graphs capture. Eager steps store the rows with
-``cbpipe::write_kv_cache`` before their groups attend.
+Decode rows in CUDA graphs go through one custom op a layer, ``cbpipe::decode_attention``,
+which stores the rows' keys and values and attends them: an opaque call that graphs capture.
+Eager steps store the rows with the cache-write kernel before their groups attend.
 """
 
 from __future__ import annotations
@@ -188,29 +187,6 @@ def _decode_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
     # would copy a transposed query's strides, and inductor then checks the real output
     # against them).
     return query.new_empty(query.shape)
-
-
-@torch.library.custom_op("cbpipe::write_kv_cache", mutates_args=("key_cache", "value_cache"))
-def write_kv_cache(
-    key: torch.Tensor,  # [num_rows, kv_heads, head_dim]
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_rows]
-) -> None:
-    """Store each row's key and value at its slot: one Triton launch on CUDA.
-
-    An op that mutates the caches, which inductor keeps in place (no copy of the cache: the
-    caches are inputs of the compiled graph), and which leaves the keys' rotary embedding to
-    inductor as a kernel that mutates nothing (``kernels/cache_write.py`` says why that
-    matters). Elsewhere it is index assignment."""
-    if key.is_cuda:
-        from cbpipe.worker.kernels.cache_write import write_kv_cache as kernel
-
-        kernel(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        key_cache[slot_mapping] = key
-        value_cache[slot_mapping] = value
 
 
 def _load_kernel(flag: str, backend: str, device: torch.device, module: str, name: str):  # type: ignore[no-untyped-def]
