@@ -225,3 +225,34 @@ def test_the_step_attention_op_declares_what_it_mutates_and_returns() -> None:
             _op_args(rows, binding.number),
             test_utils=("test_schema", "test_faketensor"),
         )
+
+
+def test_the_compiled_step_attention_op_stores_into_the_caches_in_place() -> None:
+    """Under torch.compile ``cbpipe::step_attention`` mutates the caches themselves: a copy
+    of a cache (in a server gigabytes a layer, every layer of every step, decode graphs
+    included) would show as a clone or a copy back in inductor's code."""
+    from torch._inductor.utils import run_and_get_code
+
+    paged, rows = _mixed_step()
+    expected_rows = {name: t.clone() for name, t in rows.items()}
+    expected = paged.attend_cache(AttentionVariant(0.5), expected_rows["query"],
+                                  expected_rows["key_cache"], expected_rows["value_cache"],
+                                  expected_rows["key"], expected_rows["value"])  # fmt: skip
+    binding = StepBinding()
+    key_cache, value_cache = rows["key_cache"], rows["value_cache"]
+
+    def layer(query: torch.Tensor, half_keys: torch.Tensor) -> torch.Tensor:
+        key = half_keys * 2  # an element-wise kernel produces the keys
+        return torch.ops.cbpipe.step_attention(query, key, rows["value"], key_cache,
+                                               value_cache, binding.number, 0.5, None, None,
+                                               None)  # fmt: skip
+
+    with binding.bind(OpaqueStep(paged, binding.number)):
+        compiled = torch.compile(layer, fullgraph=True)
+        got, code = run_and_get_code(compiled, rows["query"], rows["key"] / 2)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(key_cache, expected_rows["key_cache"])
+    torch.testing.assert_close(value_cache, expected_rows["value_cache"])
+    source = "\n".join(code)
+    assert "step_attention" in source
+    assert "clone" not in source and "copy_" not in source, source

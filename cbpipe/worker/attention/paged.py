@@ -335,7 +335,19 @@ class OpaqueStep:
         )
 
 
-@torch.library.custom_op("cbpipe::step_attention", mutates_args=("key_cache", "value_cache"))
+# Defined through ``torch.library.Library``, not ``torch.library.custom_op``: the latter wraps
+# its function in autograd and view-tracking layers, about 40 us of host time a call on our
+# CPUs against 3 for this, and eager steps make a call a layer with their host time as their
+# bound (docs/PERFORMANCE.md). The schema marks the caches as written (``a!``, ``b!``), which
+# is what lets inductor keep them in place.
+_LIBRARY = torch.library.Library("cbpipe", "FRAGMENT")
+_LIBRARY.define(
+    "step_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
+    "Tensor(b!) value_cache, int binding, float scale, int? sliding_window, float? softcap, "
+    "Tensor? sinks) -> Tensor"
+)
+
+
 def step_attention(
     query: torch.Tensor,  # [num_tokens, heads, head_dim]
     key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -348,8 +360,8 @@ def step_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The attention of the ``OpaqueStep`` bound to binding number ``binding``, for one layer:
-    store the rows' keys and values, attend."""
+    """``cbpipe::step_attention``: the attention of the ``OpaqueStep`` bound to binding number
+    ``binding``, for one layer: store the rows' keys and values, attend."""
     step = bound_step(binding)
     if not isinstance(step, OpaqueStep):
         raise RuntimeError(f"cbpipe::step_attention ran with a {type(step).__name__} bound")
@@ -357,6 +369,9 @@ def step_attention(
     return step.step.attend_cache(variant, query, key_cache, value_cache, key, value)
 
 
-@step_attention.register_fake
+_LIBRARY.impl("step_attention", step_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("cbpipe::step_attention")
 def _step_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
     return query.new_empty(query.shape)  # contiguous, as both kinds of step allocate it
