@@ -123,7 +123,18 @@ def _to_cache(
 
 
 class CacheAttention(Protocol):
-    """A step's attention for one layer, given that layer's part of the cache."""
+    """A step's attention for one layer, given that layer's part of the cache; a step that
+    derives from it has ``attend`` (``StepAttention``) find that part on the layer."""
+
+    def attend(
+        self,
+        layer: torch.nn.Module,
+        variant: AttentionVariant,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.attend_cache(variant, query, *_to_cache(layer, key, value))
 
     def attend_cache(
         self,
@@ -137,23 +148,13 @@ class CacheAttention(Protocol):
 
 
 @dataclass
-class PagedStep:
+class PagedStep(CacheAttention):
     """Any step's attention, eagerly: the cache write, then each group of rows."""
 
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [num_tokens] flat cache index each row writes
     write: CacheWrite
     groups: tuple[RowsAttention, ...]  # decode rows first, then prefill chunks
-
-    def attend(
-        self,
-        layer: torch.nn.Module,
-        variant: AttentionVariant,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.attend_cache(variant, query, *_to_cache(layer, key, value))
 
     def attend_cache(
         self,
@@ -245,7 +246,7 @@ class PagedStep:
 
 
 @dataclass
-class DecodeGraphStep:
+class DecodeGraphStep(CacheAttention):
     """A step of single-row sequences with fixed shapes, as a CUDA graph captures it.
 
     ``block_tables`` is flat and its row width lives on the device only, so one graph serves
@@ -258,16 +259,6 @@ class DecodeGraphStep:
     context_lens: torch.Tensor  # [batch] int32; 0 on padding rows, which store and attend nothing
     block_tables: torch.Tensor  # flat int32
     block_table_width: torch.Tensor  # [1] int64 on the device: the slot header's copy
-
-    def attend(
-        self,
-        layer: torch.nn.Module,
-        variant: AttentionVariant,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.attend_cache(variant, query, *_to_cache(layer, key, value))
 
     def attend_cache(
         self,
