@@ -280,6 +280,7 @@ def run_mode(
     phase = decode_phase(measured)
     decodes = [r for r in phase if r.is_decode_only]
     result = replace(result, **ramp_and_tail(steps, result, phase))
+    print_ramp(mode, ramp_steps(steps, result, phase))
     stats, decode_stats = busy_stats(phase), busy_stats(decodes)
     if floor is not None and decodes:
         decode_s = sum(r.device_end_ns - r.device_start_ns for r in decodes) / 1e9
@@ -307,21 +308,45 @@ def run_mode(
     return result, outputs
 
 
+def ramp_steps(
+    steps: list[StepRecord], result: ModeResult, phase: list[StepRecord]
+) -> list[StepRecord]:
+    """The steps from the first submit to the decode phase, in device order."""
+    if not phase:
+        return []
+    ordered = sorted(steps, key=lambda r: r.device_start_ns)
+    return [r for r in ordered if result.start_ns <= r.device_start_ns < phase[0].device_start_ns]
+
+
 def ramp_and_tail(
     steps: list[StepRecord], result: ModeResult, phase: list[StepRecord]
 ) -> dict[str, float | int]:
     """``ModeResult``'s ramp and tail, on the trace's clock (the client's ``perf_counter``)."""
     if not phase:
         return {}
-    phase_start, phase_end = phase[0].device_start_ns, phase[-1].device_end_ns
-    ramp = [r for r in steps if result.start_ns <= r.device_start_ns < phase_start]
+    ramp = ramp_steps(steps, result, phase)
     end_ns = result.start_ns + result.wall_s * 1e9
     return {
-        "ramp_s": round((phase_start - result.start_ns) / 1e9, 4),
+        "ramp_s": round((phase[0].device_start_ns - result.start_ns) / 1e9, 4),
         "ramp_steps": len(ramp),
         "ramp_device_s": round(sum(r.device_end_ns - r.device_start_ns for r in ramp) / 1e9, 4),
-        "tail_ms": round((end_ns - phase_end) / 1e6, 2),
+        "tail_ms": round((end_ns - phase[-1].device_end_ns) / 1e6, 2),
     }
+
+
+def print_ramp(mode: str, ramp: list[StepRecord], most: int = 40) -> None:
+    """One line a ramp step: its make-up, its device time and the worker's host time to
+    enqueue it (a step whose launch takes as long as its device time is bound by the host)."""
+    for r in ramp[:most]:
+        device_ms = (r.device_end_ns - r.device_start_ns) / 1e6
+        launch = f", launch {(r.worker_launched_ns - r.worker_recv_ns) / 1e6:.2f} ms"
+        print(
+            f"{mode} ramp step {r.step}: {r.num_tokens} rows ({r.num_decodes} decodes of "
+            f"{r.num_seqs} sequences), device {device_ms:.2f} ms"
+            f"{launch if r.worker_recv_ns else ''}"
+        )
+    if len(ramp) > most:
+        print(f"{mode} ramp: {len(ramp) - most} more steps")
 
 
 def _run_on(
