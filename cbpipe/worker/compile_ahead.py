@@ -87,8 +87,11 @@ class CompileJob:
 
 def ahead_variants(full_sampling: bool) -> tuple[GraphVariant, ...]:
     """The variants whose samplers compile ahead: all but greedy, whose sampler is one op
-    (its first run is the forward's compile, which needs the model)."""
-    return (RANDOM, *(FULL_VARIANTS if full_sampling else ()))
+    (its first run is the forward's compile, which needs the model), and but the full
+    sampler's variants with alternatives, which take them after the compiled sampler of
+    their twin without (``StepSampling.sample_full``)."""
+    full = [v for v in FULL_VARIANTS if not v.top_logprobs] if full_sampling else []
+    return (RANDOM, *full)
 
 
 def shares(variants: tuple[GraphVariant, ...], count: int) -> list[tuple[GraphVariant, ...]]:

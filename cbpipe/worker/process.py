@@ -60,7 +60,7 @@ log = logging.getLogger("cbpipe.worker")
 
 _STOP = object()
 IDLE_MS = 100  # no step for this long: the worker is idle
-# One a sampler variant: most of a process's time is fixed (its CUDA context, dynamo's and
+# One a compiled sampler: most of a process's time is fixed (its CUDA context, dynamo's and
 # inductor's start), so fewer processes, each compiling several variants in turn, finished
 # after the worker and held up its start-up (docs/PERFORMANCE.md). Those that the device has
 # no room for are not started.

@@ -74,14 +74,12 @@ class FullSamplingInputs:
     output_index: torch.Tensor  # int32
     rows: torch.Tensor  # int64 request rows (the spare row for padding)
     truncation: bool  # some row has top-k or top-p: sort the rows
-    top_logprobs: bool  # return each row's most likely tokens
 
 
 class FullSample(NamedTuple):
     ids: torch.Tensor  # [num_seqs] int64
     logprobs: torch.Tensor  # [num_seqs] float32, of the raw distribution
-    top_ids: torch.Tensor | None  # [num_seqs, MAX_TOP_LOGPROBS] int32, best first
-    top_logprobs: torch.Tensor | None  # [num_seqs, MAX_TOP_LOGPROBS] float32
+    lse: torch.Tensor  # [num_seqs] float32, the raw logits' logsumexp (``top_alternatives``)
 
 
 def sample_full(
@@ -93,8 +91,12 @@ def sample_full(
 ) -> FullSample:
     """Sample with every per-request feature, in vLLM's order: logit bias (and bans), the
     penalties, temperature, min_p, top-k, top-p, then the seeded Gumbel-max draw of
-    ``sample``; greedy rows take the argmax of the processed logits. Log-probabilities (of
-    the sampled token, and the top alternatives) are those of the raw logits.
+    ``sample``; greedy rows take the argmax of the processed logits. Log-probabilities are
+    those of the raw logits.
+
+    The top alternatives are the caller's, from ``top_alternatives(logits.float(), lse)``
+    after this returns: a flag read here would be a guard, and dynamo would trace this
+    function once more for each of its values, at every start-up.
 
     Pure (the state tensors are only read), so ``torch.compile`` fuses the element-wise chain.
     """
@@ -122,10 +124,7 @@ def sample_full(
     sampled = _max_and_argmax(_pieces(scaled + gumbel))[2]
     ids = torch.where(inputs.temperature == 0, greedy, sampled)
     logprobs = x.gather(-1, ids[:, None])[:, 0] - lse
-    top_ids = top_logprobs = None
-    if inputs.top_logprobs:
-        top_ids, top_logprobs = top_alternatives(x, lse)
-    return FullSample(ids, logprobs, top_ids, top_logprobs)
+    return FullSample(ids, logprobs, lse)
 
 
 def apply_penalties(

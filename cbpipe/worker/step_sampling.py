@@ -36,6 +36,7 @@ from cbpipe.worker.sampler import (
     SamplingInputs,
     sample,
     sample_full,
+    top_alternatives,
 )
 from cbpipe.worker.sampling_state import SamplingState
 
@@ -191,16 +192,16 @@ class StepSampling:
                 output_index=inputs.output_index[:n],
                 rows=rows,
                 truncation=truncation,
-                top_logprobs=top_logprobs,
             ),
         )
         out = slot.outputs
         out.sampled_ids[:n].copy_(result.ids)
         out.sampled_logprobs[:n].copy_(result.logprobs)
-        if result.top_ids is not None and result.top_logprobs is not None:
+        if top_logprobs:  # outside the sampler, whose compiled graph is then the same
+            top_ids, top_values = top_alternatives(logits.float(), result.lse)
             k = MAX_TOP_LOGPROBS
-            out.top_ids[: n * k].view(n, k).copy_(result.top_ids)
-            out.top_logprobs[: n * k].view(n, k).copy_(result.top_logprobs)
+            out.top_ids[: n * k].view(n, k).copy_(top_ids)
+            out.top_logprobs[: n * k].view(n, k).copy_(top_values)
         self.last_sampled[:n].copy_(result.ids)
         # A sequence samples an output when its rows reach the end of its tokens.
         context_lens = inputs.context_lens[:n]

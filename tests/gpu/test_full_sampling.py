@@ -126,12 +126,13 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
     batch: int,
 ) -> None:
     """``torch.compile`` of the full sampler as the decode graphs run it (dynamic shapes,
-    the runner's options), at Llama 3's 128,256 tokens, every variant. The engine tests'
-    small vocabularies never met what inductor does with a row that long: a split scan for
-    top-p's running mass, whose code generation failed at start-up of every 8B and 1B
-    engine once the compiled path became the default."""
+    the runner's options), at Llama 3's 128,256 tokens, both variants, and the top
+    alternatives from its ``lse``. The engine tests' small vocabularies never met what
+    inductor does with a row that long: a split scan for top-p's running mass, whose code
+    generation failed at start-up of every 8B and 1B engine once the compiled path became
+    the default."""
     from cbpipe.worker.compiling import compile_decode_fn
-    from cbpipe.worker.sampler import sample_full
+    from cbpipe.worker.sampler import sample_full, top_alternatives
     from tests.unit.test_full_sampler import full_inputs
 
     # Dynamo keeps at most 8 compiled variants of a function per process and runs it eagerly
@@ -146,16 +147,15 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
 
     compiled = compile_decode_fn(sample_full)
     for truncation in (False, True):
-        for top_logprobs in (False, True):
-            inputs = full_inputs(
-                batch, CUDA, temperature=0.8, top_p=0.9, top_k=50, min_p=0.02,
-                presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1,
-                output_index=4, truncation=truncation, top_logprobs=top_logprobs,
-            )  # fmt: skip
-            eager = sample_full(logits, bias, counts, seen, inputs)
-            result = compiled(logits, bias, counts, seen, inputs)
-            same = (result.ids == eager.ids).float().mean().item()
-            assert same >= 0.95, (truncation, top_logprobs, same)  # ties may round apart
-            if top_logprobs:
-                assert result.top_ids is not None and eager.top_ids is not None
-                assert (result.top_ids[:, 0] == eager.top_ids[:, 0]).all()
+        inputs = full_inputs(
+            batch, CUDA, temperature=0.8, top_p=0.9, top_k=50, min_p=0.02,
+            presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1,
+            output_index=4, truncation=truncation,
+        )  # fmt: skip
+        eager = sample_full(logits, bias, counts, seen, inputs)
+        result = compiled(logits, bias, counts, seen, inputs)
+        same = (result.ids == eager.ids).float().mean().item()
+        assert same >= 0.95, (truncation, same)  # ties may round apart
+        torch.testing.assert_close(result.lse, eager.lse)
+        top_ids, _ = top_alternatives(logits.float(), result.lse)
+        assert (top_ids[:, 0] == logits.float().argmax(-1)).all()

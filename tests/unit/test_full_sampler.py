@@ -25,6 +25,7 @@ from cbpipe.worker.sampler import (
     prompt_logprobs,
     sample,
     sample_full,
+    top_alternatives,
 )
 from cbpipe.worker.sampling_state import SamplingState
 
@@ -49,7 +50,6 @@ def full_inputs(
         output_index=column(0, torch.int32),
         rows=torch.arange(n, device=device),
         truncation=False,
-        top_logprobs=False,
     )
     for name, value in overrides.items():
         current = fields[name]
@@ -219,7 +219,7 @@ def test_full_sampling_of_an_unprocessed_row_draws_what_sample_draws() -> None:
     plain = sample(logits, SamplingInputs(temperature, seeds, index, all_greedy=False))
     state = empty_state(n)
     for truncation in (False, True):
-        ids, logprobs, _, _ = run_full(
+        ids, logprobs, _ = run_full(
             logits,
             state,
             temperature=temperature,
@@ -270,8 +270,8 @@ def test_top_alternatives_are_torch_topk_of_the_raw_log_softmax() -> None:
     logits = torch.randn(5, VOCAB) * 4
     state = empty_state(5)
     state.bias[:, :50] = 10.0  # processing changes the sample, not the alternatives
-    ids, logprobs, top_ids, top_logprobs = run_full(logits, state, top_logprobs=True)
-    assert top_ids is not None and top_logprobs is not None
+    ids, logprobs, lse = run_full(logits, state)
+    top_ids, top_logprobs = top_alternatives(logits, lse)
     values, expected_ids = torch.topk(logits.log_softmax(-1), MAX_TOP_LOGPROBS)
     assert top_ids.dtype == torch.int32 and torch.equal(top_ids.long(), expected_ids)
     torch.testing.assert_close(top_logprobs, values)
@@ -296,3 +296,38 @@ def test_a_small_vocabulary_pads_the_alternatives() -> None:
     _, top_ids, top_logprobs = prompt_logprobs(logits, torch.zeros(2, dtype=torch.long))
     assert top_ids.shape == top_logprobs.shape == (2, MAX_TOP_LOGPROBS)
     assert bool(torch.isinf(top_logprobs[:, 8:]).all())
+
+
+def test_a_step_with_alternatives_runs_the_compiled_sampler_of_one_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The top alternatives are taken after the compiled sampler, so asking for them is no
+    guard of its: dynamo traces the sampler once for both, where each was a start-up trace
+    of its own. Dynamo alone here (the eager backend): what is counted is its tracing."""
+    from torch._dynamo.utils import counters
+
+    from cbpipe.protocol.slots import SlotLayout, SlotLimits
+    from cbpipe.worker import step_sampling
+    from cbpipe.worker.step_sampling import StepSampling, device_slot
+
+    def compile_with_dynamo_alone(fn):  # type: ignore[no-untyped-def]
+        return torch.compile(fn, dynamic=True, backend="eager")
+
+    monkeypatch.setattr(step_sampling, "compile_decode_fn", compile_with_dynamo_alone)
+    torch._dynamo.reset()
+    counters.clear()
+    n, cpu = 4, torch.device("cpu")
+    sampling = StepSampling(SamplingState.allocate(n + 1, VOCAB, cpu), n, cpu, compiled=True)
+    slot = device_slot(SlotLayout.build(SlotLimits(16, n, 4)), cpu)
+    slot.inputs.temperature[:n] = 0.8
+    logits, rows = torch.randn(n, VOCAB) * 3, torch.arange(n)
+    graphs = []
+    for top_logprobs in (False, True, False):
+        sampling.sample_full(slot, logits, n, rows, False, top_logprobs,
+                             sampler=sampling._graph_sample_full)  # fmt: skip
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and len(set(graphs)) == 1, f"graphs after each step: {graphs}"
+    values, ids = torch.topk(logits.log_softmax(-1), MAX_TOP_LOGPROBS)
+    k = MAX_TOP_LOGPROBS
+    assert torch.equal(slot.outputs.top_ids[: n * k].view(n, k).long(), ids)
+    torch.testing.assert_close(slot.outputs.top_logprobs[: n * k].view(n, k), values)
