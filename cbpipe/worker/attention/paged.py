@@ -327,10 +327,10 @@ class OpaqueStep:
 
 
 # Defined through ``torch.library.Library``, not ``torch.library.custom_op``: the latter wraps
-# its function in autograd and view-tracking layers, about 40 us of host time a call on our
-# CPUs against 3 for this, and eager steps make a call a layer with their host time as their
-# bound (docs/PERFORMANCE.md). The schema marks the caches as written (``a!``, ``b!``), which
-# is what lets inductor keep them in place.
+# its function in autograd and view-tracking layers whose host time is several times the
+# dispatch's own, and eager steps make a call a layer with their host time as their bound
+# (docs/PERFORMANCE.md). The schema marks the caches as written (``a!``, ``b!``), which is
+# what lets inductor keep them in place.
 _LIBRARY = torch.library.Library("cbpipe", "FRAGMENT")
 _LIBRARY.define(
     "step_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
