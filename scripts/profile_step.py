@@ -93,7 +93,7 @@ def main() -> None:
         type=int,
         default=0,
         help="add --prefill-seqs sequences whose first chunk of this many prompt tokens joins "
-        "the step (a mixed step, run eagerly)",
+        "the step (a mixed step: no graph; through the compiled layers with --compile-decode)",
     )
     parser.add_argument("--prefill-seqs", type=int, default=1)
     parser.add_argument(
