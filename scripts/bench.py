@@ -279,8 +279,9 @@ def run_mode(
     measured = [r for r in steps if r.schedule_start_ns >= result.submitted_ns]
     phase = decode_phase(measured)
     decodes = [r for r in phase if r.is_decode_only]
-    result = replace(result, **ramp_and_tail(steps, result, phase))
-    print_ramp(mode, ramp_steps(steps, result, phase))
+    ramp = ramp_steps(steps, result, phase)
+    result = replace(result, **ramp_and_tail(ramp, result, phase))
+    print_ramp(mode, ramp)
     stats, decode_stats = busy_stats(phase), busy_stats(decodes)
     if floor is not None and decodes:
         decode_s = sum(r.device_end_ns - r.device_start_ns for r in decodes) / 1e9
@@ -319,12 +320,11 @@ def ramp_steps(
 
 
 def ramp_and_tail(
-    steps: list[StepRecord], result: ModeResult, phase: list[StepRecord]
+    ramp: list[StepRecord], result: ModeResult, phase: list[StepRecord]
 ) -> dict[str, float | int]:
     """``ModeResult``'s ramp and tail, on the trace's clock (the client's ``perf_counter``)."""
     if not phase:
         return {}
-    ramp = ramp_steps(steps, result, phase)
     end_ns = result.start_ns + result.wall_s * 1e9
     return {
         "ramp_s": round((phase[0].device_start_ns - result.start_ns) / 1e9, 4),
@@ -338,13 +338,13 @@ def print_ramp(mode: str, ramp: list[StepRecord], most: int = 40) -> None:
     """One line a ramp step: its make-up, its device time and the worker's host time to
     enqueue it (a step whose launch takes as long as its device time is bound by the host)."""
     for r in ramp[:most]:
-        device_ms = (r.device_end_ns - r.device_start_ns) / 1e6
-        launch = f", launch {(r.worker_launched_ns - r.worker_recv_ns) / 1e6:.2f} ms"
-        print(
+        line = (
             f"{mode} ramp step {r.step}: {r.num_tokens} rows ({r.num_decodes} decodes of "
-            f"{r.num_seqs} sequences), device {device_ms:.2f} ms"
-            f"{launch if r.worker_recv_ns else ''}"
+            f"{r.num_seqs} sequences), device {(r.device_end_ns - r.device_start_ns) / 1e6:.2f} ms"
         )
+        if r.worker_recv_ns:  # 0 in traces older than the worker's host times
+            line += f", launch {(r.worker_launched_ns - r.worker_recv_ns) / 1e6:.2f} ms"
+        print(line)
     if len(ramp) > most:
         print(f"{mode} ramp: {len(ramp) - most} more steps")
 

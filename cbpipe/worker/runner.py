@@ -228,7 +228,6 @@ class StepRunner:
         self.prefill_kernel = prefill_kernel
         # Dynamic shapes and the opaque attention op (``OpaqueStep``) give one compiled graph
         # of each decoder layer for every bucket and every eager step's make-up.
-        self.compiled = compile_decode
         self._compiled_model = compile_layers(model, compile_decode_fn) if compile_decode else None
         self.vocab = logits_width(model)
         if sampling_state is None:
@@ -265,6 +264,11 @@ class StepRunner:
             # registered: a later segment mapped at the same address would fail to register.
             self.close()
             raise
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoder layers run compiled (``compile_decode``)."""
+        return self._compiled_model is not None
 
     def _warm_up_kernels(self) -> None:
         if self.cuda and (self.decode_kernel is not None or self.prefill_kernel is not None):

@@ -13,7 +13,7 @@ in place. Run them with ``pytest tests/unit/test_paged_decode_kernel.py -m gpu``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -60,6 +60,20 @@ class Case:
 def _edges(block_size: int) -> tuple[int, ...]:
     return (1, block_size - 1, block_size, block_size + 1)
 
+
+_PACKED_WINDOW_SINKS = Case(
+    "packed2-window-sinks-fp32",
+    "float32",
+    16,
+    (1, 17, 130, 0, 64),
+    4,
+    4,
+    64,
+    2,
+    window=20,
+    sinks=True,
+    heads_per_program=2,
+)  # fmt: skip
 
 CPU_CASES = [
     Case("edges-bs8-g1-fp32", "float32", 8, _edges(8), 2, 1, 64, 1),
@@ -144,19 +158,7 @@ CPU_CASES = [
         True,
         heads_per_program=2,
     ),  # fmt: skip
-    Case(
-        "packed2-window-sinks-fp32",
-        "float32",
-        16,
-        (1, 17, 130, 0, 64),
-        4,
-        4,
-        64,
-        2,
-        window=20,
-        sinks=True,
-        heads_per_program=2,
-    ),  # fmt: skip
+    _PACKED_WINDOW_SINKS,
     Case(
         "packed2-softcap-bf16",
         "bfloat16",
@@ -200,20 +202,7 @@ CPU_CASES = [
         heads_per_program=4,
         new_rows=True,
     ),  # fmt: skip
-    Case(
-        "store-packed2-window-sinks-fp32",
-        "float32",
-        16,
-        (1, 17, 130, 0, 64),
-        4,
-        4,
-        64,
-        2,
-        window=20,
-        sinks=True,
-        heads_per_program=2,
-        new_rows=True,
-    ),  # fmt: skip
+    replace(_PACKED_WINDOW_SINKS, name="store-packed2-window-sinks-fp32", new_rows=True),
     Case(
         "store-gemma2-like-bf16",
         "bfloat16",

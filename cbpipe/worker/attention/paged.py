@@ -288,30 +288,30 @@ class DecodeGraphStep(CacheAttention):
 
 
 @dataclass
-class OpaqueStep:
+class OpaqueStep(CacheAttention):
     """``step`` as a compiled forward sees it: each layer's attention is one call of
     ``cbpipe::step_attention``, whose arguments are the layer's tensors and constants and the
     binding's number.
 
-    Dynamo traces this ``attend`` and not ``step``'s, so nothing of the step (its groups,
-    lengths, kernels, metadata tensors) becomes a guard or a graph input: a decode graph body
-    and an eager step of prefill chunks run the same compiled graph of each decoder layer.
-    The op runs ``step`` eagerly: in a CUDA graph's capture its launches are recorded, in an
-    eager step they run.
+    Dynamo traces this ``attend_cache`` and not ``step``'s, so nothing of the step (its
+    groups, lengths, kernels, metadata tensors) becomes a guard or a graph input: a decode
+    graph body and an eager step of prefill chunks run the same compiled graph of each
+    decoder layer. The op runs ``step`` eagerly: in a CUDA graph's capture its launches are
+    recorded, in an eager step they run.
     """
 
     step: CacheAttention
     binding: int  # the number of the binding this step is bound to (``bound_step``)
 
-    def attend(
+    def attend_cache(
         self,
-        layer: torch.nn.Module,
         variant: AttentionVariant,
         query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
-        k_cache, v_cache, key, value = _to_cache(layer, key, value)
         return torch.ops.cbpipe.step_attention(
             query,
             key,
