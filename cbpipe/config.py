@@ -13,6 +13,14 @@ from typing import Any, Literal, get_args, get_origin
 from cbpipe import env
 
 DEFAULT_MODEL = "default"
+# The per-step token budget when --max-batch-tokens is unset, by the device's memory: vLLM's
+# API-server defaults, which a user moving from it expects. On a large GPU a prompt-heavy
+# burst is bound by the host's launches at 2,048 rows a step; at 8,192 the steps are bound
+# by the device (docs/PERFORMANCE.md, session 15), at the price of a longer gap between
+# tokens for the sequences running beside a long prefill.
+BATCH_TOKENS = 2048
+LARGE_DEVICE_BATCH_TOKENS = 8192
+LARGE_DEVICE_MEMORY = 70 << 30  # bytes: an H100, H200 or MI300X, not a 40 GB A100
 
 
 def _opt(default: Any, help: str, *, secret: bool = False) -> Any:
@@ -59,7 +67,13 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = _opt(256, "most sequences in one step")
-    max_batch_tokens: int = _opt(2048, "most tokens (prefill chunks + decodes) in one step")
+    max_batch_tokens: int | None = _opt(
+        None,
+        f"most tokens (prefill chunks + decodes) in one step; default: "
+        f"{LARGE_DEVICE_BATCH_TOKENS} on a GPU of {LARGE_DEVICE_MEMORY >> 30} GiB or more, "
+        f"{BATCH_TOKENS} elsewhere (larger steps finish prompts sooner; the sequences running "
+        f"beside a prefill wait the whole step for their next token)",
+    )
     sync: bool = _opt(False, "wait for each step's tokens before packing the next")
     steps_in_flight: int = _opt(
         3,
@@ -86,6 +100,20 @@ class SchedulerConfig:
     def max_in_flight(self) -> int:
         """Steps sent and not yet answered: one in sync mode."""
         return 1 if self.sync else self.steps_in_flight
+
+    def batch_tokens(self, device_memory: int | None) -> int:
+        """The per-step token budget on a device of ``device_memory`` bytes (None: the CPU):
+        ``max_batch_tokens`` when given, else the default for the device, and a row for every
+        sequence at least."""
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        large = device_memory is not None and device_memory >= LARGE_DEVICE_MEMORY
+        return max(LARGE_DEVICE_BATCH_TOKENS if large else BATCH_TOKENS, self.max_num_seqs)
+
+    @property
+    def batch_tokens_capacity(self) -> int:
+        """The most tokens a step's slot must hold, before the worker has seen its device."""
+        return max(self.batch_tokens(None), self.batch_tokens(LARGE_DEVICE_MEMORY))
 
 
 @dataclass(frozen=True)
@@ -197,7 +225,7 @@ class EngineConfig:
         checks = [
             (s.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
             (
-                s.max_batch_tokens >= s.max_num_seqs,
+                s.max_batch_tokens is None or s.max_batch_tokens >= s.max_num_seqs,
                 "--max-batch-tokens must be >= --max-num-seqs (every sequence needs a row)",
             ),
             (

@@ -150,7 +150,7 @@ def plan_layout(config: EngineConfig) -> SlotLayout:
     assert config.model.max_model_len is not None, "resolve_limits first"
     block_size = config.cache.block_size
     limits = SlotLimits(
-        max_tokens=config.scheduler.max_batch_tokens,
+        max_tokens=config.scheduler.batch_tokens_capacity,  # the worker picks the budget
         max_seqs=config.scheduler.max_num_seqs,
         max_blocks_per_seq=-(-config.model.max_model_len // block_size),
     )

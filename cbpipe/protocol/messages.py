@@ -207,6 +207,7 @@ class WorkerReady(Message):
     model: str
     vocab_size: int
     num_blocks: int
+    max_batch_tokens: int  # the per-step token budget, chosen by the device (config.py)
     dtype: str
     device: str
     eos_token_ids: list[int]

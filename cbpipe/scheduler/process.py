@@ -164,7 +164,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
     scheduler = Scheduler(
         blocks,
         max_num_seqs=config.scheduler.max_num_seqs,
-        max_batch_tokens=config.scheduler.max_batch_tokens,
+        max_batch_tokens=hello.max_batch_tokens,
     )
     packer = BatchPacker(segment.buf, spec.layout, config.cache.block_size)
     frontend = Frontend(
@@ -176,11 +176,12 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         max_frame_bytes=frame_limit(max_model_len),
     )
     log.info(
-        "serving %s (%s on %s), %d KV blocks",
+        "serving %s (%s on %s), %d KV blocks, %d tokens a step",
         hello.model,
         hello.dtype,
         hello.device,
         hello.num_blocks,
+        hello.max_batch_tokens,
     )
     return EngineLoop(
         scheduler=scheduler,
@@ -206,7 +207,8 @@ def _wait_for_workers(
 ) -> WorkerReady:
     """Every worker rank's ``WorkerReady`` and its subscription to the steps, then one
     report for all: rank 0's, with the fewest KV blocks any rank holds (the ranks agree
-    on the count before they allocate; the minimum is what all can hold in any case)."""
+    on the count before they allocate; the minimum is what all can hold in any case) and
+    the smallest token budget (each rank's device chose its own)."""
     deadline = time.monotonic() + timeout_s
     reports: dict[int, WorkerReady] = {}
     subscribed = 0
@@ -232,7 +234,11 @@ def _wait_for_workers(
             log.debug("worker rank %d of %d ready: %s", message.rank, num_ranks, message)
     if sorted(reports) != list(range(num_ranks)):
         raise RuntimeError(f"worker ranks {sorted(reports)} reported, expected 0..{num_ranks - 1}")
-    return dataclasses.replace(reports[0], num_blocks=min(r.num_blocks for r in reports.values()))
+    return dataclasses.replace(
+        reports[0],
+        num_blocks=min(r.num_blocks for r in reports.values()),
+        max_batch_tokens=min(r.max_batch_tokens for r in reports.values()),
+    )
 
 
 def _stop_on_signals(loop: EngineLoop) -> None:

@@ -166,6 +166,10 @@ def _load(
         use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
         torch.zeros(1, device=device)  # the context, which the weights would otherwise pay for
     phases.done("device")
+    cuda = device.type == "cuda"
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    max_batch_tokens = config.scheduler.batch_tokens(memory)
+    log.info("%d tokens a step at most", max_batch_tokens)
     model, paged = load_paged_model(
         source,
         device,
@@ -227,6 +231,7 @@ def _load(
         sampling_state=state,
         writes_outputs=tp.rank == 0,
         before_sampler_compiles=None if ahead is None else ahead.wait,
+        max_batch_tokens=max_batch_tokens,
     )
     phases.done("runner set-up", parts=runner.startup_seconds)
     log.info("start-up: %s", phases.describe())
@@ -234,6 +239,7 @@ def _load(
         model=source.name,
         vocab_size=int(model.config.get_text_config().vocab_size),
         num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         eos_token_ids=source.eos_token_ids,

@@ -180,6 +180,7 @@ class StepRunner:
         full_sampling_graphs: bool = True,
         writes_outputs: bool = True,
         before_sampler_compiles: Callable[[], None] | None = None,
+        max_batch_tokens: int | None = None,
     ) -> None:
         """``attention``: the model's layers as the load-time probe found them, and the binding
         through which each step's attention reaches them.
@@ -200,12 +201,20 @@ class StepRunner:
         the carry-over) and keep them on the device.
         ``before_sampler_compiles``: called once the compiled forward has run, before the
         samplers' first runs (the worker waits there for the samplers compiled ahead).
+        ``max_batch_tokens``: the scheduler's per-step token budget, which the warm-up's
+        prefills reach (default: the slots' capacity).
         """
         self.writes_outputs = writes_outputs
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
         self.layout = layout
+        self.max_batch_tokens = max_batch_tokens or layout.limits.max_tokens
+        if self.max_batch_tokens > layout.limits.max_tokens:
+            raise ValueError(
+                f"a budget of {self.max_batch_tokens} tokens a step in slots of "
+                f"{layout.limits.max_tokens}"
+            )
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda and graph_batch_sizes and (blocker := capture_blocker(model)) is not None:
@@ -283,16 +292,16 @@ class StepRunner:
         ``kernels.tiles.jit_varying``), for a second or more each: in an H200 run the first
         prefill steps took 1.3-1.7 s instead of 70 ms, with the device idle. So each eager
         step's variants are met here: one decode row beside a prefill of every power-of-two
-        length up to the slots' token limit, and decode-only steps of every power-of-two
+        length up to the step's token budget, and decode-only steps of every power-of-two
         batch up to the slots' width. The steps read and write only the cache's padding
         block, through slot 0's own buffers, and nothing is in flight yet.
         """
         started = time.perf_counter()
         limits = self.layout.limits
         beside = min(1, limits.max_seqs - 1)  # a decode row beside each prefill
-        longest = limits.max_tokens - beside
+        longest = self.max_batch_tokens - beside
         lengths = sorted({1 << i for i in range(longest.bit_length())} | {longest})
-        widest = min(limits.max_seqs, limits.max_tokens)
+        widest = min(limits.max_seqs, self.max_batch_tokens)
         # Decode-only batches of every power of two: the split count follows the batch size.
         batches = sorted({1 << i for i in range(widest.bit_length())} | {widest})
         shapes = [(beside, n) for n in lengths] + [(b, 0) for b in batches]

@@ -64,6 +64,24 @@ def test_unknown_options_and_bad_values_are_errors() -> None:
     config.EngineConfig(scheduler=config.SchedulerConfig(steps_in_flight=2)).validate()
 
 
+def test_the_token_budget_follows_the_device_unless_given() -> None:
+    from cbpipe.launcher import plan_layout, resolve_limits
+
+    gib = 1 << 30
+    default = config.SchedulerConfig()
+    assert default.batch_tokens(None) == 2048  # the CPU
+    assert default.batch_tokens(40 * gib) == 2048  # an A100 40 GB
+    assert default.batch_tokens(140 * gib) == 8192  # an H200
+    assert config.SchedulerConfig(max_num_seqs=4096).batch_tokens(None) == 4096  # a row each
+    given = config.SchedulerConfig(max_batch_tokens=512)
+    assert given.batch_tokens(None) == given.batch_tokens(140 * gib) == 512
+    # The launcher sizes the slots before the worker has seen its device: room for either.
+    assert default.batch_tokens_capacity == 8192 and given.batch_tokens_capacity == 512
+    resolved = resolve_limits(config.EngineConfig(scheduler=given))
+    assert plan_layout(resolved).limits.max_tokens == 512
+    assert plan_layout(resolve_limits(config.EngineConfig())).limits.max_tokens == 8192
+
+
 def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
     from cbpipe.launcher import plan_layout, resolve_limits
     from cbpipe.models import resolve_model
