@@ -301,8 +301,9 @@ if want step1b; then
                 --batch "$batch" --context "$context" --steps 30 --compile-decode $flags \
                 >"$OUT/.profile.log" 2>&1
             rc=$?
-            # The profile's table first; a failure's cause is at the end.
-            grep -v '^USDT' "$OUT/.profile.log" | head -60
+            # The profile's table first (from its first line: inductor's autotuning prints
+            # before it); a failure's cause is at the end.
+            sed -n '/^runner ready/,$p' "$OUT/.profile.log" | grep -v '^USDT' | head -60
             [ "$rc" = 0 ] || { echo "..."; tail -25 "$OUT/.profile.log"; }
             rm -f "$OUT/.profile.log"
             echo "exit code $rc"

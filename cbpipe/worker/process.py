@@ -196,6 +196,8 @@ def _load(
     phases.done("KV cache")
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
     decode_kernel = attention.load_decode_kernel(config.worker.attention_backend, device)
+    prefill_kernel = attention.load_prefill_kernel(config.worker.prefill_attention_backend, device)
+    phases.done("kernels")
     graph_sizes: list[int] = []
     if config.worker.cuda_graphs and device.type == "cuda" and decode_kernel is not None:
         max_graph_batch = config.worker.max_graph_batch or config.scheduler.max_num_seqs
@@ -215,6 +217,7 @@ def _load(
         )
         runner_compiles = compile_decode and capture_blocker(model) is None
         _start_compile_ahead(ahead, job, device, runner_compiles)
+        phases.done("compile-ahead hand-off")
     runner = StepRunner(
         model,
         paged,
@@ -223,9 +226,7 @@ def _load(
         segment.buf,
         device,
         decode_kernel=decode_kernel,
-        prefill_kernel=attention.load_prefill_kernel(
-            config.worker.prefill_attention_backend, device
-        ),
+        prefill_kernel=prefill_kernel,
         graph_batch_sizes=graph_sizes,
         compile_decode=compile_decode,
         sampling_state=state,

@@ -204,6 +204,7 @@ class StepRunner:
         ``max_batch_tokens``: the scheduler's per-step token budget, which the warm-up's
         prefills reach (default: the slots' capacity).
         """
+        started = time.perf_counter()
         self.writes_outputs = writes_outputs
         self.model = model
         self.attention = attention
@@ -235,9 +236,13 @@ class StepRunner:
         self._last_d2h: torch.cuda.Event | None = None  # the last launched step's outputs copied
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        # Where this runner's set-up went, in order, for the worker's start-up line.
+        self.startup_seconds: dict[str, float] = {"slots": time.perf_counter() - started}
         # Dynamic shapes and the opaque attention op (``OpaqueStep``) give one compiled graph
         # of each decoder layer for every bucket and every eager step's make-up.
+        started = time.perf_counter()
         self._compiled_model = compile_layers(model, compile_decode_fn) if compile_decode else None
+        self.startup_seconds["layers wrapped"] = time.perf_counter() - started
         self.vocab = logits_width(model)
         if sampling_state is None:
             sampling_state = SamplingState.allocate(layout.limits.max_seqs, self.vocab, device)
@@ -252,17 +257,17 @@ class StepRunner:
         self._last_slot: int | None = None
         self.graphs = DecodeGraphs()
         self._before_sampler_compiles = before_sampler_compiles
-        # Where this runner's set-up went, in order, for the worker's start-up line.
-        self.startup_seconds: dict[str, float] = {}
         if graph_batch_sizes and decode_kernel is None:
             raise ValueError("decode graphs need the Triton decode kernel")
         self._registered_ptr: int | None = None
         if self.cuda:
+            started = time.perf_counter()
             # Page-lock the shared segment so copies to and from it are asynchronous DMA.
             status = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
             if int(status) != 0:
                 raise RuntimeError(f"cudaHostRegister failed with status {status}")
             self._registered_ptr = host.data_ptr()
+            self.startup_seconds["host registration"] = time.perf_counter() - started
         try:
             if graph_batch_sizes:
                 self._capture_graphs(graph_batch_sizes, full_sampling_graphs)  # warms up too
