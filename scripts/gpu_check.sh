@@ -19,8 +19,10 @@
 #            640, the bench part's mean) against gather+SDPA with a sweep of its settings (heads
 #            per program among them), the 8B's head_dim 128 without one, then the decode
 #            steps of STEP1B_PROFILES (the 1B x256 at context 640), compiled, profiled (~5 min)
-#   imports  what the launcher's imports cost on this host: `python -X importtime` of
-#            cbpipe.launcher, its 25 slowest modules (cumulative), twice     (~1 min)
+#   imports  what the launcher's imports cost on this host: whether Python may write bytecode
+#            and the libraries ship it; `python -X importtime` of cbpipe.launcher, its 12
+#            slowest modules (cumulative), twice, then twice with PYTHONPYCACHEPREFIX set to
+#            a writable folder                                                   (~1-2 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync, with the default flags (the decode forward compiled:
 #            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
@@ -314,12 +316,30 @@ fi
 
 if want imports; then
     {
-        for attempt in first second; do
+        section "bytecode: may this Python write it, and do the libraries ship it"
+        "$PY" - <<'PYEOF'
+import importlib.util, os, sys
+print("dont_write_bytecode", sys.flags.dont_write_bytecode, "pycache_prefix", sys.pycache_prefix,
+      "PYTHONDONTWRITEBYTECODE", os.environ.get("PYTHONDONTWRITEBYTECODE"))
+for name in ("torch", "transformers", "sympy", "zmq"):
+    spec = importlib.util.find_spec(name)
+    folder = os.path.dirname(spec.origin) if spec and spec.origin else None
+    cache = folder and os.path.join(folder, "__pycache__")
+    cached = cache and os.path.isdir(cache) and len(os.listdir(cache))
+    print(name, folder, "pycs:", cached, "writable:", bool(folder and os.access(folder, os.W_OK)))
+PYEOF
+        # Twice as the host has it, then twice with a bytecode cache it can write (as a
+        # pip-installed environment has its bytecode from the install on).
+        for attempt in first second prefix-first prefix-second; do
             section "imports of cbpipe.launcher, $attempt time"
+            prefix=()
+            [[ $attempt == prefix-* ]] &&
+                prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/cbpipe-pycache)
             begun=$(date +%s%N)
-            "$PY" -X importtime -c 'import cbpipe.launcher' 2>"$OUT/importtime.txt"
+            ${prefix[@]+"${prefix[@]}"} "$PY" -X importtime -c 'import cbpipe.launcher' \
+                2>"$OUT/importtime.txt"
             echo "exit code $?, wall $(( ($(date +%s%N) - begun) / 1000000 )) ms"
-            grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -25
+            grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -12
         done
         rm -f "$OUT/importtime.txt"
     } 2>&1 | tee "$OUT/imports.log"
