@@ -14,10 +14,9 @@ from cbpipe import env
 
 DEFAULT_MODEL = "default"
 # The per-step token budget when --max-batch-tokens is unset, by the device's memory: vLLM's
-# API-server defaults, which a user moving from it expects. On a large GPU a prompt-heavy
-# burst is bound by the host's launches at 2,048 rows a step; at 8,192 the steps are bound
-# by the device (docs/PERFORMANCE.md, session 15), at the price of a longer gap between
-# tokens for the sequences running beside a long prefill.
+# API-server defaults, which a user moving from it expects. On a large GPU a burst of prompts
+# is prefilled several times sooner in steps of 8,192 (docs/PERFORMANCE.md), at the price of
+# a longer gap between tokens for the sequences running beside a long prefill.
 BATCH_TOKENS = 2048
 LARGE_DEVICE_BATCH_TOKENS = 8192
 LARGE_DEVICE_MEMORY = 70 << 30  # bytes: an H100, H200 or MI300X, not a 40 GB A100
