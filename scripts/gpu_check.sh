@@ -65,7 +65,11 @@
 #            random:llama-70b x32 at TP=2 (its floor is bench's printed floor halved: each GPU
 #            reads half the weights). TP_RUNS=compare,llama8b,batch1,llama70b   (~10-15 min)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
-# PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last.
+# PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last. A call
+# returns at most eight files from the device tool's $OUT, and a bench part alone writes more
+# (traces, JSON, clocks): for several parts in one call, give each its own OUT outside it and
+# send each run's stdout (every part's log, tee'd) into the tool's $OUT, with any trace the
+# analysis needs copied beside it.
 #
 # Knobs (environment):
 #   PARTS=tests,micro,bench  parts to run
