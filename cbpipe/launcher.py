@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -145,6 +146,21 @@ def resolve_limits(config: EngineConfig) -> EngineConfig:
     )
 
 
+def sources_without_bytecode(modules: list[str]) -> list[str]:
+    """Those of the imported packages ``modules`` that Python loaded from source and could
+    not cache: no bytecode beside (or under ``PYTHONPYCACHEPREFIX`` for) their
+    ``__init__.py`` even now that they are imported. Docker images often ship their packages
+    so (``pip install --no-compile``, ``PYTHONDONTWRITEBYTECODE=1``)."""
+    missing = []
+    for name in modules:
+        source = getattr(sys.modules.get(name), "__file__", None)
+        if not source or not source.endswith(".py"):
+            continue  # not imported, or loaded from bytecode alone
+        if not os.path.exists(importlib.util.cache_from_source(source)):
+            missing.append(name)
+    return missing
+
+
 def plan_layout(config: EngineConfig) -> SlotLayout:
     """Slot capacities from the engine limits and the (resolved) maximum length."""
     assert config.model.max_model_len is not None, "resolve_limits first"
@@ -184,6 +200,17 @@ class Launcher:
         age = process_age_s() or 0.0
         started = time.monotonic() - age
         log.info("imports and checks took %.1f s; starting the engine's processes", age)
+        if missing := sources_without_bytecode(["torch", "transformers"]):
+            folders = [os.path.dirname(sys.modules[name].__file__ or "") for name in missing]
+            log.warning(
+                "no bytecode for %s, and Python may not write it: every launch compiles their "
+                "sources again (the imports took %.1f s, a few times what bytecode takes). "
+                "Compile them once (python -m compileall -q %s), or let Python keep bytecode "
+                "elsewhere (PYTHONPYCACHEPREFIX=DIR, PYTHONDONTWRITEBYTECODE unset)",
+                " and ".join(missing),
+                age,
+                " ".join(folders),
+            )
         remove_dead_launches()
         run_dir = tempfile.mkdtemp(prefix=run_dir_prefix())
         segment = create_segment(new_segment_name(), layout.segment_nbytes)

@@ -32,3 +32,31 @@ def test_a_launcher_with_another_thread_spawns() -> None:
         "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()"
     )
     assert _start_method(setup) == "spawn"
+
+
+def test_packages_imported_from_source_without_bytecode_are_named(tmp_path, monkeypatch) -> None:
+    """The launcher's hint for environments that compile their libraries at every start: a
+    package with no bytecode, where Python may not write any, is named; one with bytecode
+    beside it, or under PYTHONPYCACHEPREFIX, is not."""
+    import importlib
+    import py_compile
+
+    from cbpipe.launcher import sources_without_bytecode
+
+    for name in ("bare_pkg", "compiled_pkg", "prefixed_pkg"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("VALUE = 1\n")
+    py_compile.compile(str(tmp_path / "compiled_pkg" / "__init__.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    for name in ("bare_pkg", "compiled_pkg"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        importlib.import_module(name)
+    assert sources_without_bytecode(["bare_pkg", "compiled_pkg", "never_imported"]) == ["bare_pkg"]
+
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pycache"))
+    monkeypatch.delitem(sys.modules, "prefixed_pkg", raising=False)
+    source = str(tmp_path / "prefixed_pkg" / "__init__.py")
+    py_compile.compile(source, cfile=importlib.util.cache_from_source(source))
+    importlib.import_module("prefixed_pkg")
+    assert sources_without_bytecode(["prefixed_pkg"]) == []
