@@ -250,11 +250,13 @@ _STARTUP_MARKS = (
     "compiled ahead",
     "inductor cache",
     "triton cache",
+    " WARNING ",  # at every log level: what the engine warned of at its start
 )
 
 
 def startup_lines(engine_log: str) -> list[str]:
-    """The worker's start-up breakdown in an engine's log (empty below --log-level info)."""
+    """The worker's start-up breakdown in an engine's log (empty below --log-level info),
+    and the engine's warnings."""
     return [line for line in engine_log.splitlines() if any(m in line for m in _STARTUP_MARKS)]
 
 
