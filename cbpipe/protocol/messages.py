@@ -393,13 +393,16 @@ def _type_hints(cls: type) -> dict[str, Any]:
 def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case per type form
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
-        for option in get_args(hint):
+        options = get_args(hint)
+        # The options whose outer shape fits first: a failed try formats its error message,
+        # and most values (an unset optional, a prompt of token ids) fit one option at once.
+        for option in sorted(options, key=lambda option: not _shape_fits(option, value)):
             try:
                 return _convert(option, value, where)
             except ProtocolError:
                 continue
-        options = " or ".join(_hint_name(option) for option in get_args(hint))
-        raise ProtocolError(f"{where}: expected {options}, got {_describe(value)}")
+        names = " or ".join(_hint_name(option) for option in options)
+        raise ProtocolError(f"{where}: expected {names}, got {_describe(value)}")
     if hint is type(None):
         if value is None:
             return None
@@ -451,6 +454,21 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case
     else:  # pragma: no cover - a message declared a type this codec does not know
         raise TypeError(f"{where}: unsupported field type {hint!r}")
     raise ProtocolError(f"{where}: expected {_hint_name(hint)}, got {_describe(value)}")
+
+
+def _shape_fits(hint: Any, value: Any) -> bool:
+    """Whether ``value`` has the outer shape ``hint`` asks for (its items unchecked)."""
+    if hint is type(None):
+        return value is None
+    if get_origin(hint) in (list, tuple):
+        return isinstance(value, list)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float))
+    if isinstance(hint, type) and not issubclass(hint, enum.Enum):
+        return isinstance(value, hint)
+    return True  # a Literal or an enum: tried as declared
 
 
 def _hint_name(hint: Any) -> str:
