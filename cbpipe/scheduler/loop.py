@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -39,6 +40,12 @@ from cbpipe.trace import StepRecord
 log = logging.getLogger("cbpipe.scheduler")
 
 POLL_MS = 100
+# Client messages are taken a poll at a time, for at most this long (and this many): a flood
+# of submits must not keep steps from leaving or results from being applied. Each submit costs
+# the frontend a tenth of a millisecond or more, so taking a burst of hundreds whole kept the
+# device idle for tens of milliseconds before its first step (docs/PERFORMANCE.md).
+MESSAGE_SLICE_S = 0.005
+MAX_MESSAGES_PER_POLL = 1024
 # A step may take this many times the slowest recent step before the worker is declared
 # stuck (and never less than the configured minimum): generous, since a stuck worker is rare
 # and a false alarm ends the engine.
@@ -268,11 +275,7 @@ class EngineLoop:
             while self.results_socket.poll(0):
                 self._on_result(self.results_socket.recv())
         if self.client_socket in events:
-            # Bounded, so a flood of submits cannot starve the worker of steps.
-            for _ in range(1024):
-                if not self.client_socket.poll(0):
-                    break
-                self.frontend.receive()
+            take_messages(lambda: bool(self.client_socket.poll(0)), self.frontend.receive)
 
     def _on_result(self, frame: bytes) -> None:
         try:
@@ -328,6 +331,24 @@ class EngineLoop:
                 if len(self.worker_names) == 1
                 else "a worker rank's process exited"
             )
+
+
+def take_messages(
+    waiting: Callable[[], bool],
+    receive: Callable[[], None],
+    *,
+    slice_s: float = MESSAGE_SLICE_S,
+    limit: int = MAX_MESSAGES_PER_POLL,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """``receive`` the messages ``waiting`` says are there, up to ``limit`` and for no longer
+    than ``slice_s`` (one at least); returns how many were taken."""
+    started = clock()
+    for taken in range(limit):
+        if not waiting() or (taken and clock() - started >= slice_s):
+            return taken
+        receive()
+    return limit
 
 
 def _record(applied: Applied, publish_start_ns: int, publish_end_ns: int) -> StepRecord:
