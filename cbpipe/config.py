@@ -111,8 +111,9 @@ class SchedulerConfig:
 
     @property
     def batch_tokens_capacity(self) -> int:
-        """The most tokens a step's slot must hold, before the worker has seen its device."""
-        return max(self.batch_tokens(None), self.batch_tokens(LARGE_DEVICE_MEMORY))
+        """The most tokens a step's slot must hold, before the worker has seen its device:
+        the budget of the largest device."""
+        return self.batch_tokens(LARGE_DEVICE_MEMORY)
 
 
 @dataclass(frozen=True)

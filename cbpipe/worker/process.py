@@ -162,11 +162,11 @@ def _load(
         torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // world_size))
     tp = TensorParallel() if rendezvous is None else TensorParallel.join(rendezvous, rank, device)
     source = resolve_model(config.model.model)
-    if device.type == "cuda":  # nothing is compiled on the CPU (Triton is interpreted there)
+    cuda = device.type == "cuda"
+    if cuda:  # nothing is compiled on the CPU (Triton is interpreted there)
         use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
         torch.zeros(1, device=device)  # the context, which the weights would otherwise pay for
     phases.done("device")
-    cuda = device.type == "cuda"
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
     max_batch_tokens = config.scheduler.batch_tokens(memory)
     log.info("%d tokens a step at most", max_batch_tokens)
@@ -199,7 +199,7 @@ def _load(
     prefill_kernel = attention.load_prefill_kernel(config.worker.prefill_attention_backend, device)
     phases.done("kernels")
     graph_sizes: list[int] = []
-    if config.worker.cuda_graphs and device.type == "cuda" and decode_kernel is not None:
+    if config.worker.cuda_graphs and cuda and decode_kernel is not None:
         max_graph_batch = config.worker.max_graph_batch or config.scheduler.max_num_seqs
         graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
     compile_decode = config.worker.compile_decode and bool(graph_sizes)
