@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import threading
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,6 +29,10 @@ class PromptTokenizer:
         self._done: queue.SimpleQueue[tuple[Hashable, Future[list[int]]]] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
+        # A prompt may finish after close(), when the pipe's descriptors may already name
+        # another file: the lock and flag keep its wake-up from being written there.
+        self._closing = threading.Lock()
+        self._closed = False
 
     def fileno(self) -> int:
         """Readable when a prompt is done."""
@@ -49,9 +54,12 @@ class PromptTokenizer:
         return results
 
     def close(self) -> None:
+        """Drop the queued prompts; one being tokenized finishes on its thread, unreported."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        with self._closing:
+            self._closed = True
+            os.close(self._wake_read)
+            os.close(self._wake_write)
 
     def _tokenize(self, text: str) -> list[int]:
         ids = list(self._tokenizer(text, add_special_tokens=False).input_ids)
@@ -61,5 +69,6 @@ class PromptTokenizer:
 
     def _on_done(self, key: Hashable, future: Future[list[int]]) -> None:
         self._done.put((key, future))
-        with contextlib.suppress(OSError):  # closed at shutdown
-            os.write(self._wake_write, b"x")
+        with self._closing:
+            if not self._closed:
+                os.write(self._wake_write, b"x")

@@ -1,0 +1,95 @@
+"""The prompt tokenizer's thread: the loop hands a prompt over and never waits for it."""
+
+from __future__ import annotations
+
+import select
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from cbpipe.scheduler.prompts import PromptTokenizer, PromptTooLong
+
+WAIT_S = 30.0  # a bound on waiting for the thread, never a speed assertion
+
+
+class GatedTokenizer:
+    """One id a character, once ``gate`` is open; records the threads it ran on."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.threads: list[int] = []
+        self.gave_up = False
+
+    def __call__(self, text: str, add_special_tokens: bool) -> SimpleNamespace:
+        assert not add_special_tokens
+        self.threads.append(threading.get_ident())
+        if not self.gate.wait(WAIT_S):
+            self.gave_up = True
+            raise TimeoutError("the test never opened the gate")
+        if text == "boom":
+            raise RuntimeError("the tokenizer failed")
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+
+def wait_readable(prompts: PromptTokenizer) -> None:
+    readable, _, _ = select.select([prompts.fileno()], [], [], WAIT_S)
+    assert readable, "no prompt was reported done"
+
+
+def collect(prompts: PromptTokenizer, count: int) -> dict[object, list[int] | Exception]:
+    done: dict[object, list[int] | Exception] = {}
+    while len(done) < count:
+        wait_readable(prompts)
+        done.update(prompts.finished())
+    return done
+
+
+@pytest.fixture
+def tokenizer() -> GatedTokenizer:
+    return GatedTokenizer()
+
+
+@pytest.fixture
+def prompts(tokenizer: GatedTokenizer):  # type: ignore[no-untyped-def]
+    prompts = PromptTokenizer(tokenizer, max_tokens=5)
+    yield prompts
+    tokenizer.gate.set()
+    prompts.close()
+
+
+def test_submit_returns_while_the_tokenizer_works(
+    prompts: PromptTokenizer, tokenizer: GatedTokenizer
+) -> None:
+    prompts.submit("a", "abc")  # the gate is shut: tokenizing it cannot finish
+    readable, _, _ = select.select([prompts.fileno()], [], [], 0.05)
+    assert not readable and prompts.finished() == []
+    tokenizer.gate.set()
+    assert collect(prompts, 1) == {"a": [97, 98, 99]}
+    assert tokenizer.threads and threading.get_ident() not in tokenizer.threads
+
+
+def test_each_prompt_gets_its_ids_or_why_it_was_refused(
+    prompts: PromptTokenizer, tokenizer: GatedTokenizer
+) -> None:
+    tokenizer.gate.set()
+    for key, text in [("ok", "abcd"), ("long", "abcde"), ("broken", "boom")]:
+        prompts.submit(key, text)
+    done = collect(prompts, 3)
+    assert done["ok"] == [97, 98, 99, 100]
+    # max_tokens is the sequence's whole limit: a prompt must leave room for one new token.
+    assert isinstance(done["long"], PromptTooLong) and done["long"].args == (5,)
+    assert isinstance(done["broken"], RuntimeError)
+    assert prompts.finished() == []
+
+
+def test_close_does_not_wait_for_queued_prompts(tokenizer: GatedTokenizer) -> None:
+    prompts = PromptTokenizer(tokenizer, max_tokens=5)
+    for key in range(3):
+        prompts.submit(key, "ab")
+    while not tokenizer.threads:  # the first has started, and is stuck behind the gate
+        threading.Event().wait(0.01)
+    prompts.close()
+    assert not tokenizer.gave_up, "close() waited for the prompt being tokenized"
+    tokenizer.gate.set()  # it finishes now, with nowhere to report to
+    assert len(tokenizer.threads) == 1, "queued prompts were tokenized after close()"
