@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 
@@ -18,8 +19,18 @@ def setup_logging(level: str, process: str) -> None:
         for noisy in ("transformers", "urllib3", "filelock"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' weight-loading bar
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        _quiet_loading_bars()
     _thread_lock_for_progress_bars()
+
+
+def _quiet_loading_bars() -> None:
+    """transformers reads the variables above once, at its import: in a process that
+    imported it first (the launcher's children inherit it) its weight-loading bar would
+    still draw, unless turned off where it looks now."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "0":
+        transformers.utils.logging.disable_progress_bar()
 
 
 def _thread_lock_for_progress_bars() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from cbpipe.client import Client, RequestError
+from cbpipe.engine_process import EngineProcess
 from tests.integration.conftest import EMBEDDED_MODEL_DIR, TEXT_MODEL_DIR, EngineRun
 from tests.integration.helpers import RESULT_TIMEOUT_S
 
@@ -119,3 +120,15 @@ def test_n_samples_of_one_prompt(text_client: Client) -> None:
     assert single.result(timeout=RESULT_TIMEOUT_S).token_ids == results[0].token_ids
     with pytest.raises(ValueError, match="results"):
         job.result(timeout=1)
+
+
+@needs_text_model
+def test_the_default_log_level_is_quiet() -> None:
+    """Start-up (weights loaded from a checkpoint), a job and a clean stop print nothing but
+    the ready line: no progress bar, no library's chatter."""
+    flags = ["--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "64"]
+    with EngineProcess.start(flags) as engine:
+        with Client(engine.address) as client:
+            assert client.submit(PROMPTS[0], max_new_tokens=4).result(RESULT_TIMEOUT_S).text
+        assert engine.stop() == 0
+        assert engine.stderr == ""
