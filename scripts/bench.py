@@ -238,7 +238,8 @@ def launcher_args(args: argparse.Namespace, run: str) -> list[str]:
 
 # --- one mode -------------------------------------------------------------------------------
 
-# What a worker logs at --log-level info about where its start-up went.
+# What a worker logs at --log-level info about where its start-up went, and what else about
+# the run's speed it reports.
 _STARTUP_MARKS = (
     "start-up:",
     "compile cache",
@@ -250,7 +251,8 @@ _STARTUP_MARKS = (
     "compiled ahead",
     "inductor cache",
     "triton cache",
-    " WARNING ",  # at every log level: what the engine warned of at its start
+    " WARNING ",  # at every log level: what the engine warned of, at its start or stop
+    "caching allocator",  # at --log-level debug: the steps whose launch it stalled
 )
 
 
@@ -273,8 +275,8 @@ def run_mode(
         except Exception:
             print(f"engine log:\n{engine.stderr}", file=sys.stderr)
             raise
-        for line in startup_lines(engine.stderr):
-            print(f"{mode} engine: {line}")
+    for line in startup_lines(engine.stderr):  # the stop's lines too
+        print(f"{mode} engine: {line}")
     # The scheduler writes the trace as it stops; steps of the warm-up come before the
     # measurement's first submit, and steps of a ramp before its last (ModeResult).
     steps = load_steps(trace)

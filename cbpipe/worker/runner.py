@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -128,6 +128,30 @@ class DeviceClock:
 
     def host_ns(self, event: torch.cuda.Event) -> int:
         return self.reference_ns + int(self.reference.elapsed_time(event) * 1e6)
+
+
+class AllocatorRetries:
+    """Counts the caching allocator's retries since the runner was ready.
+
+    A request that its cached blocks cannot serve makes it free them all, which synchronises
+    the device, and ask CUDA again: the host stalls inside the launch that asked, and the
+    device runs dry behind it.
+    """
+
+    def __init__(self, read_stats: Callable[[], Mapping[str, int]]) -> None:
+        self._read_stats = read_stats
+        self._last = self._read()
+        self.since_ready = 0
+
+    def _read(self) -> int:
+        return int(self._read_stats().get("num_alloc_retries", 0))
+
+    def check(self) -> int:
+        """Retries since the last check."""
+        now = self._read()
+        new, self._last = now - self._last, now
+        self.since_ready += new
+        return new
 
 
 @dataclass
@@ -268,6 +292,7 @@ class StepRunner:
                 raise RuntimeError(f"cudaHostRegister failed with status {status}")
             self._registered_ptr = host.data_ptr()
             self.startup_seconds["host registration"] = time.perf_counter() - started
+        self._allocator: AllocatorRetries | None = None
         try:
             if graph_batch_sizes:
                 self._capture_graphs(graph_batch_sizes, full_sampling_graphs)  # warms up too
@@ -278,6 +303,8 @@ class StepRunner:
             # registered: a later segment mapped at the same address would fail to register.
             self.close()
             raise
+        if self.cuda:
+            self._allocator = AllocatorRetries(lambda: torch.cuda.memory_stats(device))
 
     @property
     def compiled(self) -> bool:
@@ -463,6 +490,17 @@ class StepRunner:
             self.clock = DeviceClock(self.device)
 
     def close(self) -> None:
+        if self._allocator is not None:
+            with contextlib.suppress(RuntimeError):  # a device error may answer instead
+                self._allocator.check()
+            if self._allocator.since_ready:
+                log.warning(
+                    "the caching allocator ran short %d times while serving: each time it "
+                    "freed its cache, which waits for the device, and the step stalled; "
+                    "a smaller --kv-cache-memory-fraction leaves it more room",
+                    self._allocator.since_ready,
+                )
+            self._allocator = None
         if self._registered_ptr is not None:
             with contextlib.suppress(RuntimeError):  # a failed capture may have left an error
                 torch.cuda.synchronize(self.device)
@@ -527,12 +565,26 @@ class StepRunner:
             self._record(self.d2h_done[k])
         self._last_d2h = self.d2h_done[k]
         launched_ns = time.perf_counter_ns()
+        # Reading the allocator's statistics costs more than a small step's launch.
+        if self._allocator is not None and log.isEnabledFor(logging.DEBUG):
+            self._log_allocator_retries(step, (launched_ns - recv_ns) / 1e6)
         if not self.cuda:
             return LaunchedStep(step, recv_ns, launched_ns, compute_ns=(start_ns, end_ns))
         assert compute_start is not None and compute_end is not None
         return LaunchedStep(
             step, recv_ns, launched_ns, self.d2h_done[k], (compute_start, compute_end), self.clock
         )
+
+    def _log_allocator_retries(self, step: Step, launch_ms: float) -> None:
+        assert self._allocator is not None
+        if retries := self._allocator.check():
+            log.debug(
+                "step %d: the caching allocator freed its cache and retried %d times; "
+                "the launch took %.1f ms",
+                step.step,
+                retries,
+                launch_ms,
+            )
 
     def _copy_extras(self, step: Step, slot: SlotBuffers) -> None:
         """The used prefix of each extras field this step reads, host to device."""
