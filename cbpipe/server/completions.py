@@ -159,12 +159,15 @@ class _Format:
             tops: list[TopLogprobs | None] = list(
                 result.top_logprobs or [[]] * len(result.logprobs)
             )
-            generated = self.logprobs(choice, result.token_ids, list(result.logprobs), tops)
-            if self.body.echo:
-                echoed = self.prompt_logprobs(choice, prompt_index, result.prompt_logprobs)
-                logprobs = {key: echoed[key] + generated[key] for key in generated}
-            else:
-                logprobs = generated
+            # The echoed prompt first: the text offsets run on from it.
+            echoed = (
+                self.prompt_logprobs(choice, prompt_index, result.prompt_logprobs)
+                if self.body.echo
+                else None
+            )
+            logprobs = self.logprobs(choice, result.token_ids, list(result.logprobs), tops)
+            if echoed is not None:
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         if self.body.echo:
             text = self.prompt_text(prompt_index) + text
         entry: dict[str, Any] = {

@@ -9,6 +9,7 @@ tokenizer) from two server processes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -307,6 +308,17 @@ def test_echo_with_prompt_logprobs_equal_transformers(api: openai.OpenAI, hf: An
     for i in range(1, len(prompt_ids)):
         expected = reference[i - 1, prompt_ids[i]].item()
         assert math.isclose(logprobs[i], expected, abs_tol=1e-3), (i, logprobs[i], expected)
+    # Each token's offset in the choice's text, the echoed prompt's included.
+    tokens, offsets = reply.logprobs.tokens, reply.logprobs.text_offset
+    assert tokens is not None and "".join(tokens) == reply.text
+    assert offsets == list(itertools.accumulate([0, *map(len, tokens[:-1])]))
+    streamed = api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+        stream=True,
+    )  # fmt: skip
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens or []] == tokens
+    assert [o for c in chunks for o in c.text_offset or []] == offsets
 
 
 def test_penalties_change_greedy_output_as_transformers_does(api: openai.OpenAI, hf: Any) -> None:
