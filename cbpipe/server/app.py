@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import secrets
 from typing import Any
 
@@ -19,7 +20,14 @@ from cbpipe.server.common import ServerState
 from cbpipe.server.completions import create_completion
 from cbpipe.server.errors import APIError
 from cbpipe.server.metrics import CONTENT_TYPE
-from cbpipe.server.schemas import UNION_TYPES, ChatCompletionRequest, CompletionRequest
+from cbpipe.server.schemas import (
+    UNION_TYPES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from cbpipe.server.tokenize import detokenize, tokenize
 
 HEALTH_TIMEOUT_S = 5.0  # an engine that cannot answer its counters in this long is not well
 
@@ -71,6 +79,18 @@ def build_app(state: ServerState, max_body_bytes: int = MAX_BODY_BYTES) -> FastA
                 }
             ],
         }
+
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize_prompt(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenize(body, state)
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize_ids(body: DetokenizeRequest) -> dict[str, Any]:
+        return await detokenize(body, state)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("cbpipe")}
 
     @app.get("/health")
     async def health() -> Response:

@@ -39,7 +39,7 @@ async def create_chat_completion(
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = [_message(m.role, m.content, m.name) for m in body.messages]
+    messages = [as_template_message(m.role, m.content, m.name) for m in body.messages]
     try:
         prompt = await asyncio.to_thread(  # off the event loop, as a completion's prompt
             state.text.chat_prompt,
@@ -66,7 +66,7 @@ async def create_chat_completion(
     return await _complete(generation, body, request, state, max_tokens_name)
 
 
-def _message(role: str, content: object, name: str | None) -> dict[str, str]:
+def as_template_message(role: str, content: object, name: str | None) -> dict[str, str]:
     if content is None:
         text = ""
     elif isinstance(content, str):

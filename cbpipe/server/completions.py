@@ -48,7 +48,9 @@ async def create_completion(
     if body.best_of is not None and body.best_of != n:
         raise APIError(400, "best_of must equal n: every sample drawn is returned", param="best_of")
     # Off the event loop: a long prompt must not stall the other streams while it tokenizes.
-    texts, prompts = await asyncio.to_thread(_prompts, body.prompt, state.text)
+    texts, prompts = await asyncio.to_thread(
+        _prompts, body.prompt, state.text, bool(body.add_special_tokens)
+    )
     logprobs = body.logprobs
     options = sampling_options(
         body,
@@ -69,7 +71,9 @@ async def create_completion(
     return await _complete(generation, format, request, state)
 
 
-def _prompts(prompt: object, text: Text) -> tuple[list[str | None], list[list[int]]]:
+def _prompts(
+    prompt: object, text: Text, add_special_tokens: bool = False
+) -> tuple[list[str | None], list[list[int]]]:
     """Each prompt's text (None for token ids) and token ids."""
     if isinstance(prompt, str) or (
         isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
@@ -85,7 +89,7 @@ def _prompts(prompt: object, text: Text) -> tuple[list[str | None], list[list[in
     for item in items:
         if isinstance(item, str):
             try:
-                ids = text.encode(item)
+                ids = text.encode(item, add_special_tokens)
             except TextError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             texts.append(item)

@@ -88,6 +88,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None  # only None or n: cbpipe returns every sample it draws
+    add_special_tokens: bool | None = False  # vLLM's; a text prompt's BOS, say (default: none)
     suffix: None = None  # insertion is not supported: any value is a 400
 
 
@@ -118,3 +119,23 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's extensions for the chat template
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` as ``/v1/completions`` tokenizes it, or
+    ``messages`` as ``/v1/chat/completions`` renders and tokenizes them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: as the endpoint it stands for (none)
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model: str | None = None
+    tokens: TokenIds

@@ -46,14 +46,21 @@ class Text:
     def has_tokenizer(self) -> bool:
         return self.tokenizer is not None
 
-    def encode(self, prompt: str) -> list[int]:
-        """A text prompt's token ids, as the engine's own text path has them (no special
-        tokens added: a prompt that wants a BOS says so)."""
+    def encode(self, prompt: str, add_special_tokens: bool = False) -> list[int]:
+        """A text prompt's token ids, by default as the engine's own text path has them (no
+        special tokens added: a prompt that wants a BOS says so)."""
         if self.tokenizer is None:
             raise TextError(
                 f"model {self.model_name} has no tokenizer: send the prompt as token ids"
             )
-        return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+
+    def vocabulary_names(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (``Ġworld`` for a byte-level BPE's
+        " world"), as vLLM's ``/tokenize`` gives them."""
+        if self.tokenizer is None:
+            return [f"token_id:{t}" for t in token_ids]
+        return [str(name) for name in self.tokenizer.convert_ids_to_tokens(token_ids)]
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens skipped, as in the engine's outputs);

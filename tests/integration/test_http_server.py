@@ -9,6 +9,7 @@ tokenizer) from two server processes.
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import json
 import math
@@ -190,6 +191,66 @@ def test_chat_uses_the_chat_template(api: openai.OpenAI, hf: Any) -> None:
     assert text == choice.message.content
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_tokenize_counts_what_the_generation_endpoints_send(
+    api: openai.OpenAI, http: httpx.Client, hf: Any
+) -> None:
+    prompt = "The list of the values"
+    reply = http.post(
+        "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True}
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["tokens"] == encode(hf, prompt) and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == hf[1].convert_ids_to_tokens(body["tokens"])
+    assert body["max_model_len"] == api.models.list().data[0].model_extra["max_model_len"]
+    usage = api.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+    assert usage is not None and usage.prompt_tokens == body["count"]
+    with_bos = http.post("/tokenize", json={"prompt": prompt, "add_special_tokens": True}).json()
+    expected = list(hf[1](prompt, add_special_tokens=True).input_ids)
+    assert with_bos["tokens"] == expected
+    usage = api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, extra_body={"add_special_tokens": True}
+    ).usage
+    assert usage is not None and usage.prompt_tokens == len(expected)
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    reply = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert reply.usage is not None and chat["count"] == reply.usage.prompt_tokens
+
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]}).json()
+    assert text == {"prompt": prompt}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                       "add_special_tokens": True}, "messages"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+        ("/detokenize", {}, "tokens"),
+    ],
+)  # fmt: skip
+def test_bad_tokenize_requests_are_400s(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str
+) -> None:
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == param
+
+
+def test_tokenize_without_a_tokenizer_is_a_400(http_tiny_engine: EngineRun) -> None:
+    with httpx.Client(base_url=http_tiny_engine.http_url) as bare:
+        for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})]:
+            response = bare.post(path, json=body)
+            assert response.status_code == 400, response.text
+            assert "no tokenizer" in error_of(response)["message"]
 
 
 def test_seeded_samples_repeat_and_n_samples_differ(api: openai.OpenAI) -> None:
@@ -484,12 +545,14 @@ def test_the_openai_client_sees_each_error_status(
         keyless.completions.create(model=MODEL, prompt="x")
 
 
-def test_health_and_metrics_need_no_key_and_unknown_paths_are_404s(
+def test_health_metrics_and_version_need_no_key_and_unknown_paths_are_404s(
     http_engine: EngineRun,
 ) -> None:
     with httpx.Client(base_url=http_engine.http_url) as bare:
         assert bare.get("/health").status_code == 200
         assert bare.get("/metrics").status_code == 200
+        assert bare.get("/version").json()["version"] == importlib.metadata.version("cbpipe")
+        assert bare.post("/tokenize", json={"prompt": "x"}).status_code == 401
         assert bare.post("/v1/completions", json={"prompt": "x"}).status_code == 401
         response = bare.get("/v2/nothing")
         assert response.status_code == 404
