@@ -31,8 +31,9 @@ def _opt(default: Any, help: str, *, secret: bool = False) -> Any:
 class ModelConfig:
     model: str = _opt(
         DEFAULT_MODEL,
-        "a local Hugging Face checkpoint folder, 'default' (the embedded tiny model) "
-        "or a random-weight preset such as 'random:llama-1b'",
+        "a Hugging Face Hub id (downloaded into the Hugging Face cache unless there), a "
+        "local checkpoint folder, 'default' (the embedded tiny model) or a random-weight "
+        "preset such as 'random:llama-1b'",
     )
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "where the worker runs the model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(

@@ -36,7 +36,7 @@ from cbpipe.config import EngineConfig
 from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent, fork_is_safe, process_age_s
 from cbpipe.logs import setup_logging
-from cbpipe.models import resolve_model
+from cbpipe.models import fetch_model, resolve_model
 from cbpipe.models.support import check_config, check_tensor_parallel, length_limit
 from cbpipe.protocol.launch import EngineAddresses, Rendezvous, RunSpec, worker_names
 from cbpipe.protocol.liveness import HeartbeatTable
@@ -129,9 +129,11 @@ def resolve_limits(config: EngineConfig) -> EngineConfig:
     """``config`` with its length limit resolved against the model's, once for every process
     (``--max-model-len`` as given, never rounded to a block: the scheduler enforces it).
 
-    Raises ``ValueError`` for a model that cannot be resolved, and ``UnsupportedModel`` (a
-    ``ValueError`` too) for one cbpipe cannot serve, before any child starts.
+    A Hub model is downloaded first, unless cached. Raises ``ValueError`` for a model that
+    cannot be resolved or fetched, and ``UnsupportedModel`` (a ``ValueError`` too) for one
+    cbpipe cannot serve, before any child starts.
     """
+    fetch_model(config.model.model)
     source = resolve_model(config.model.model)
     max_model_len = check_config(source.config, config.model.max_model_len)
     check_tensor_parallel(source.config, config.worker.tensor_parallel_size)

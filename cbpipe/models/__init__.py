@@ -1,4 +1,5 @@
-"""Where a model comes from: the embedded checkpoint, a local folder, or a random-weight preset.
+"""Where a model comes from: the embedded checkpoint, a local folder, a Hugging Face Hub id
+(``hub.py``), or a random-weight preset.
 
 Resolving a name reads configuration only (no weights), so the launcher can size the engine
 and the scheduler can find the tokenizer without loading the model. Building the weights is
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoConfig, Gemma2Config, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from cbpipe.models import hub
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "default"
 RANDOM_PREFIX = "random:"
@@ -119,10 +122,32 @@ def resolve_model(name: str) -> ModelSource:
             )
         return ModelSource(name, None, configs[preset])
     path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {name!r} is neither 'default', a preset ("
-            + ", ".join(RANDOM_PREFIX + p for p in PRESET_NAMES)
-            + ") nor a folder with a config.json"
-        )
-    return ModelSource(name, path.resolve(), AutoConfig.from_pretrained(path))
+    if (path / "config.json").is_file():
+        return ModelSource(name, path.resolve(), AutoConfig.from_pretrained(path))
+    if hub.is_hub_id(name) and not path.exists():
+        # Fetched by the launcher (hub.fetch) before any process resolves it.
+        snapshot = hub.cached_snapshot(name)
+        if snapshot is None:
+            raise ValueError(
+                f"model {name!r} is not in the Hugging Face cache: cbpipe-launch downloads "
+                "it first (hub.fetch)"
+            )
+        return ModelSource(name, snapshot, AutoConfig.from_pretrained(snapshot))
+    raise ValueError(
+        f"model {name!r} is neither 'default', a preset ("
+        + ", ".join(RANDOM_PREFIX + p for p in PRESET_NAMES)
+        + "), a folder with a config.json nor a Hugging Face Hub id"
+    )
+
+
+def fetch_model(name: str) -> None:
+    """Download ``name`` into the Hugging Face cache if it is a Hub id that is not there; the
+    launcher's first step. Raises ``ValueError`` (``hub.HubError``) saying why it cannot."""
+    path = Path(name).expanduser()
+    if name == "default" or name.startswith(RANDOM_PREFIX) or path.exists():
+        return
+    if hub.is_hub_id(name):
+        try:
+            hub.fetch(name)
+        except hub.HubError as exc:
+            raise hub.HubError(f"{exc}; nor is there a folder {str(path)!r} here") from None

@@ -4,6 +4,7 @@ model, or the checkpoint folder named by ``CBPIPE_TEST_TEXT_MODEL``."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,3 +133,29 @@ def test_the_default_log_level_is_quiet() -> None:
             assert client.submit(PROMPTS[0], max_new_tokens=4).result(RESULT_TIMEOUT_S).text
         assert engine.stop() == 0
         assert engine.stderr == ""
+
+
+def test_a_model_named_by_its_hub_id_serves_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every process finds the snapshot in the cache, offline; the id is the model's name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.test_hub_models import cache_model
+
+    cache_model(tmp_path, "acme/tiny", sorted(EMBEDDED_MODEL_DIR.iterdir()))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prompt = [100, 200, 300, 400]  # eight tokens before any EOS
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt) :].tolist()  # fmt: skip
+    flags = ["--model", "acme/tiny", "--device", "cpu", "--num-blocks", "64"]
+    with EngineProcess.start(flags) as engine, Client(engine.address) as client:
+        assert client._welcome is not None and client._welcome.model == "acme/tiny"
+        result = client.submit(prompt, max_new_tokens=8).result(RESULT_TIMEOUT_S)
+        assert result.token_ids == expected

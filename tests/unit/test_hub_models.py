@@ -1,0 +1,102 @@
+"""Models named by their Hugging Face Hub id: found in the local cache, fetched once."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+import pytest
+from huggingface_hub import constants
+
+from cbpipe.models import EMBEDDED_MODEL_DIR, fetch_model, hub, resolve_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cache_model(cache: Path, repo_id: str, files: list[Path]) -> Path:
+    """``files`` as the Hugging Face cache holds a snapshot of ``repo_id``'s main branch."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for file in files:
+        shutil.copy(file, snapshot / file.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face cache, and the Hub out of reach (a download is a test's fake)."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(*args: Any, **kwargs: Any) -> str:
+        if kwargs.get("local_files_only"):
+            return real_download(*args, **kwargs)
+        raise AssertionError("the test reached for the Hub")
+
+    real_download = huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "is_id"),
+    [("meta-llama/Llama-3.1-8B", True), ("gpt2", True), ("Qwen/Qwen2.5-0.5B-Instruct", True),
+     ("./model", False), ("/abs/model", False), ("a/b/c", False), ("org/..", False),
+     ("random:llama-1b", False)],
+)  # fmt: skip
+def test_hub_ids(name: str, is_id: bool) -> None:
+    assert hub.is_hub_id(name) == is_id
+
+
+def test_a_cached_model_resolves_to_its_snapshot_under_its_id(cache: Path) -> None:
+    snapshot = cache_model(cache, "acme/tiny", sorted(EMBEDDED_MODEL_DIR.iterdir()))
+    fetch_model("acme/tiny")  # cached: nothing to download
+    source = resolve_model("acme/tiny")
+    assert source.name == "acme/tiny" and source.path == snapshot
+    assert source.config.to_diff_dict() | {"_name_or_path": None} == resolve_model(
+        "default"
+    ).config.to_diff_dict() | {"_name_or_path": None}
+
+
+def test_an_uncached_model_is_fetched_once_with_only_what_serving_needs(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="not in the Hugging Face cache"):
+        resolve_model("acme/tiny")
+    asked: list[dict[str, Any]] = []
+
+    def download(repo_id: str, **kwargs: Any) -> str:
+        if kwargs.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        asked.append(kwargs)
+        return str(cache_model(cache, repo_id, sorted(EMBEDDED_MODEL_DIR.iterdir())))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    fetch_model("acme/tiny")
+    (kwargs,) = asked
+    patterns = kwargs["allow_patterns"]
+    assert {"*.safetensors", "*.json"} <= set(patterns) and "*.bin" not in patterns
+    assert "original/*" in kwargs["ignore_patterns"]
+
+
+def test_offline_and_uncached_says_so(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(hub.HubError, match="HF_HUB_OFFLINE is set") as refused:
+        fetch_model("acme/missing")
+    assert "nor is there a folder 'acme/missing' here" in str(refused.value)
+
+
+def test_a_model_without_safetensors_weights_is_refused(cache: Path) -> None:
+    cache_model(cache, "acme/old", [EMBEDDED_MODEL_DIR / "config.json"])
+    with pytest.raises(hub.HubError, match="no safetensors weights"):
+        fetch_model("acme/old")
+
+
+def test_local_folders_and_presets_never_reach_for_the_hub(cache: Path) -> None:
+    for name in ("default", "random:qwen2-tiny", str(EMBEDDED_MODEL_DIR)):
+        fetch_model(name)
