@@ -35,6 +35,9 @@ class ModelConfig:
         "local checkpoint folder, 'default' (the embedded tiny model) or a random-weight "
         "preset such as 'random:llama-1b'",
     )
+    revision: str | None = _opt(
+        None, "the branch, tag or commit of a --model Hub id (default: its main branch)"
+    )
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "where the worker runs the model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "model and KV-cache dtype; auto is float32 on the CPU, bfloat16 on CUDA"

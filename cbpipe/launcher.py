@@ -133,8 +133,8 @@ def resolve_limits(config: EngineConfig) -> EngineConfig:
     cannot be resolved or fetched, and ``UnsupportedModel`` (a ``ValueError`` too) for one
     cbpipe cannot serve, before any child starts.
     """
-    fetch_model(config.model.model)
-    source = resolve_model(config.model.model)
+    fetch_model(config.model.model, config.model.revision)
+    source = resolve_model(config.model.model, config.model.revision)
     max_model_len = check_config(source.config, config.model.max_model_len)
     check_tensor_parallel(source.config, config.worker.tensor_parallel_size)
     model_len = length_limit(source.config)

@@ -108,8 +108,9 @@ class ModelSource:
         return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def resolve_model(name: str) -> ModelSource:
-    """Resolve a ``--model`` value; raises ``ValueError`` saying what would have worked."""
+def resolve_model(name: str, revision: str | None = None) -> ModelSource:
+    """Resolve a ``--model`` value (at ``--revision``, for a Hub id); raises ``ValueError``
+    saying what would have worked."""
     if name == "default":
         return ModelSource(name, EMBEDDED_MODEL_DIR, AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR))
     if name.startswith(RANDOM_PREFIX):
@@ -126,11 +127,12 @@ def resolve_model(name: str) -> ModelSource:
         return ModelSource(name, path.resolve(), AutoConfig.from_pretrained(path))
     if hub.is_hub_id(name) and not path.exists():
         # Fetched by the launcher (hub.fetch) before any process resolves it.
-        snapshot = hub.cached_snapshot(name)
+        snapshot = hub.cached_snapshot(name, revision)
         if snapshot is None:
+            at = f" at revision {revision!r}" if revision else ""
             raise ValueError(
-                f"model {name!r} is not in the Hugging Face cache: cbpipe-launch downloads "
-                "it first (hub.fetch)"
+                f"model {name!r}{at} is not in the Hugging Face cache: cbpipe-launch "
+                "downloads it first (hub.fetch)"
             )
         return ModelSource(name, snapshot, AutoConfig.from_pretrained(snapshot))
     raise ValueError(
@@ -140,14 +142,18 @@ def resolve_model(name: str) -> ModelSource:
     )
 
 
-def fetch_model(name: str) -> None:
-    """Download ``name`` into the Hugging Face cache if it is a Hub id that is not there; the
-    launcher's first step. Raises ``ValueError`` (``hub.HubError``) saying why it cannot."""
+def fetch_model(name: str, revision: str | None = None) -> None:
+    """Download ``name`` (at ``revision``) into the Hugging Face cache if it is a Hub id that
+    is not there; the launcher's first step. Raises ``ValueError`` (``hub.HubError``) saying
+    why it cannot."""
     path = Path(name).expanduser()
-    if name == "default" or name.startswith(RANDOM_PREFIX) or path.exists():
+    local = name == "default" or name.startswith(RANDOM_PREFIX) or path.exists()
+    if revision is not None and (local or not hub.is_hub_id(name)):
+        raise ValueError(f"--revision applies to a Hugging Face Hub id, not to {name!r}")
+    if local:
         return
     if hub.is_hub_id(name):
         try:
-            hub.fetch(name)
+            hub.fetch(name, revision)
         except hub.HubError as exc:
             raise hub.HubError(f"{exc}; nor is there a folder {str(path)!r} here") from None

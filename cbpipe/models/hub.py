@@ -34,30 +34,36 @@ def is_hub_id(name: str) -> bool:
     return _HUB_ID.fullmatch(name) is not None and ".." not in name
 
 
-def cached_snapshot(repo_id: str) -> Path | None:
-    """The cached snapshot folder of ``repo_id``'s main revision, or None; never asks the Hub."""
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The cached snapshot folder of ``repo_id`` at ``revision`` (a branch, tag or commit;
+    default main), or None; never asks the Hub."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         folder = snapshot_download(
-            repo_id, allow_patterns=_FILES, ignore_patterns=_SKIPPED, local_files_only=True
+            repo_id,
+            revision=revision,
+            allow_patterns=_FILES,
+            ignore_patterns=_SKIPPED,
+            local_files_only=True,
         )
     except LocalEntryNotFoundError:
         return None
     return Path(folder)
 
 
-def fetch(repo_id: str) -> Path:
-    """``repo_id``'s snapshot folder, downloaded into the cache unless it is there already.
+def fetch(repo_id: str, revision: str | None = None) -> Path:
+    """``repo_id``'s snapshot folder at ``revision``, downloaded into the cache unless it is
+    there already.
 
     Raises ``HubError`` for a model that is neither cached nor downloadable (no network,
     ``HF_HUB_OFFLINE``, no such repository, a gated one without a token), or that has no
     safetensors weights.
     """
-    folder = cached_snapshot(repo_id)
+    folder = cached_snapshot(repo_id, revision)
     if folder is None:
-        folder = _download(repo_id)
+        folder = _download(repo_id, revision)
     if not any(folder.glob("*.safetensors")):
         raise HubError(
             f"{repo_id} has no safetensors weights in {folder}: cbpipe loads only those "
@@ -66,7 +72,7 @@ def fetch(repo_id: str) -> Path:
     return folder
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -83,20 +89,23 @@ def _download(repo_id: str) -> Path:
         )
     # A download takes minutes: say so, whatever the log level, and show its bars where
     # someone watches.
-    print(f"cbpipe-launch: downloading {repo_id} into {HF_HUB_CACHE}", file=sys.stderr)
+    at = f" at {revision}" if revision else ""
+    print(f"cbpipe-launch: downloading {repo_id}{at} into {HF_HUB_CACHE}", file=sys.stderr)
     were_disabled = are_progress_bars_disabled()
     if sys.stderr.isatty():
         enable_progress_bars()
     else:
         disable_progress_bars()
     try:
-        folder = snapshot_download(repo_id, allow_patterns=_FILES, ignore_patterns=_SKIPPED)
+        folder = snapshot_download(
+            repo_id, revision=revision, allow_patterns=_FILES, ignore_patterns=_SKIPPED
+        )
     except LocalEntryNotFoundError:  # the Hub could not be reached
         raise HubError(
             f"model {repo_id!r} is not in the Hugging Face cache ({HF_HUB_CACHE}) and the "
             "Hub could not be reached"
         ) from None
-    except HfHubHTTPError as exc:  # no such repository, a gated one, a server error
+    except HfHubHTTPError as exc:  # no such repository or revision, a gated one, an outage
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         hint = "" if os.environ.get("HF_TOKEN") else " (a gated model needs HF_TOKEN)"
         raise HubError(f"model {repo_id!r} could not be downloaded: {first_line}{hint}") from None

@@ -144,7 +144,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
     hello = _wait_for_workers(
         sockets["results"], sockets["steps"], len(spec.worker_names), config.ready_timeout_s
     )
-    source = resolve_model(config.model.model)
+    source = resolve_model(config.model.model, config.model.revision)
     tokenizer = None
     if source.tokenizer_path is not None:
         from transformers import AutoTokenizer

@@ -95,7 +95,7 @@ async def _serve(
     from cbpipe.server.text import Text
 
     server_config = spec.config.server
-    source = resolve_model(spec.config.model.model)
+    source = resolve_model(spec.config.model.model, spec.config.model.revision)
     client = await AsyncClient.connect(
         spec.addresses.client, connect_timeout=CONNECT_TIMEOUT_S, api_key=spec.config.api_key
     )

@@ -161,7 +161,7 @@ def _load(
         world_size = 1 if rendezvous is None else rendezvous.world_size
         torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // world_size))
     tp = TensorParallel() if rendezvous is None else TensorParallel.join(rendezvous, rank, device)
-    source = resolve_model(config.model.model)
+    source = resolve_model(config.model.model, config.model.revision)
     cuda = device.type == "cuda"
     if cuda:  # nothing is compiled on the CPU (Triton is interpreted there)
         use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)

@@ -15,15 +15,17 @@ from cbpipe.models import EMBEDDED_MODEL_DIR, fetch_model, hub, resolve_model
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def cache_model(cache: Path, repo_id: str, files: list[Path]) -> Path:
-    """``files`` as the Hugging Face cache holds a snapshot of ``repo_id``'s main branch."""
+def cache_model(
+    cache: Path, repo_id: str, files: list[Path], ref: str = "main", commit: str = COMMIT
+) -> Path:
+    """``files`` as the Hugging Face cache holds a snapshot of ``repo_id`` at ``ref``."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / COMMIT
+    snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
     for file in files:
         shutil.copy(file, snapshot / file.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
     return snapshot
 
 
@@ -61,6 +63,23 @@ def test_a_cached_model_resolves_to_its_snapshot_under_its_id(cache: Path) -> No
     assert source.config.to_diff_dict() | {"_name_or_path": None} == resolve_model(
         "default"
     ).config.to_diff_dict() | {"_name_or_path": None}
+
+
+def test_a_revision_picks_its_own_snapshot(cache: Path) -> None:
+    files = sorted(EMBEDDED_MODEL_DIR.iterdir())
+    main = cache_model(cache, "acme/tiny", files)
+    tagged = cache_model(cache, "acme/tiny", files, ref="v1", commit="f" * 40)
+    assert resolve_model("acme/tiny").path == main
+    assert resolve_model("acme/tiny", revision="v1").path == tagged
+    assert resolve_model("acme/tiny", revision="f" * 40).path == tagged
+    with pytest.raises(ValueError, match="at revision 'v2' is not in the Hugging Face cache"):
+        resolve_model("acme/tiny", revision="v2")
+
+
+def test_a_revision_of_a_local_model_is_refused(cache: Path) -> None:
+    for name in ("default", "random:qwen2-tiny", str(EMBEDDED_MODEL_DIR)):
+        with pytest.raises(ValueError, match="--revision applies to a Hugging Face Hub id"):
+            fetch_model(name, revision="v1")
 
 
 def test_an_uncached_model_is_fetched_once_with_only_what_serving_needs(
