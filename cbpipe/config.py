@@ -8,6 +8,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from cbpipe import env
@@ -187,6 +188,13 @@ class ServerConfig:
     chat_template: str | None = _opt(
         None, "a Jinja chat template (a file, or the template itself) instead of the tokenizer's"
     )
+    generation_config: str = _opt(
+        "auto",
+        "sampling defaults for requests that leave a field out: 'auto' takes the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, and "
+        "max_new_tokens as max_tokens), as vLLM does; 'none' gives OpenAI's; or a folder "
+        "holding a generation_config.json",
+    )
 
     @property
     def num_processes(self) -> int:
@@ -260,6 +268,12 @@ class EngineConfig:
             (
                 self.server.api_server_count is None or self.server.api_server_count >= 1,
                 "--api-server-count must be >= 1",
+            ),
+            (
+                self.server.generation_config in ("auto", "none")
+                or (Path(self.server.generation_config) / "generation_config.json").is_file(),
+                "--generation-config must be 'auto', 'none' or a folder holding a "
+                "generation_config.json",
             ),
         ]
         for ok, message in checks:

@@ -49,12 +49,13 @@ async def create_chat_completion(
         )
     except TextError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    limit = body.max_completion_tokens or body.max_tokens
+    limit = body.max_completion_tokens or body.max_tokens or state.defaults.max_tokens
     if limit is None:  # as long as the model allows (the engine ends it at its limit)
         limit = max(1, state.client.max_model_len - len(prompt))
     options = sampling_options(
         body,
         detokenize=state.text.has_tokenizer,
+        defaults=state.defaults,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     try:

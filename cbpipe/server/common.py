@@ -9,7 +9,8 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, cast
 
 from starlette.requests import Request
@@ -25,6 +26,49 @@ from cbpipe.server.schemas import StreamOptions, _SamplingFields
 from cbpipe.server.text import Text
 
 
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling field out gets, where the model's authors
+    recommend a value in its ``generation_config.json`` (vLLM's ``--generation-config
+    auto``); a field left None falls back to OpenAI's default. transformers' own defaults
+    (``top_k`` 50 among them) are not recommendations: only the file's own keys count."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # the file's max_new_tokens
+
+    @classmethod
+    def from_folder(cls, folder: Path | None) -> SamplingDefaults:
+        """The defaults in ``folder``'s ``generation_config.json``; none without one."""
+        file = None if folder is None else folder / "generation_config.json"
+        if file is None or not file.is_file():
+            return cls()
+        recommended = json.loads(file.read_text())
+        recommended["max_tokens"] = recommended.get("max_new_tokens")
+        given: dict[str, Any] = {
+            f.name: value
+            for f in fields(cls)
+            if isinstance(value := recommended.get(f.name), (int, float))
+        }
+        return cls(**given)
+
+    @classmethod
+    def chosen(cls, setting: str, model_folder: Path | None) -> SamplingDefaults:
+        """The defaults ``--generation-config`` asks for: "auto" (the model's), "none", or a
+        folder's."""
+        if setting == "none":
+            return cls()
+        return cls.from_folder(model_folder if setting == "auto" else Path(setting))
+
+    def describe(self) -> str:
+        """``temperature 0.6, top_p 0.9``, or "" for none."""
+        given = [(f.name, getattr(self, f.name)) for f in fields(self)]
+        return ", ".join(f"{name} {value:g}" for name, value in given if value is not None)
+
+
 @dataclass
 class ServerState:
     """Everything a request handler needs, built once per server process."""
@@ -35,6 +79,7 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     created: int = 0  # when the model was loaded (for /v1/models)
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -50,15 +95,24 @@ def sampling_options(
     request: _SamplingFields,
     *,
     detokenize: bool,
+    defaults: SamplingDefaults | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingOptions:
-    """The engine's options for an OpenAI request. Temperature defaults to OpenAI's 1.0."""
+    """The engine's options for an OpenAI request: a field left out takes the model's
+    recommended default, if any, else OpenAI's (temperature 1.0)."""
+    defaults = defaults or SamplingDefaults()
+    temperature = request.temperature
+    if temperature is None:
+        temperature = 1.0 if defaults.temperature is None else defaults.temperature
     values: dict[str, Any] = {
         "n": request.n or 1,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "temperature": temperature,
         "detokenize": detokenize,
     }
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(request, name) is None and getattr(defaults, name) is not None:
+            values[name] = getattr(defaults, name)
     for name in (
         "top_p",
         "seed",
@@ -76,7 +130,9 @@ def sampling_options(
         if value is not None:
             values[name] = value
     if request.top_k is not None:
-        values["top_k"] = 0 if request.top_k == -1 else request.top_k  # vLLM's -1: no limit
+        values["top_k"] = request.top_k
+    if values.get("top_k") == -1:  # vLLM's -1: no limit
+        values["top_k"] = 0
     if request.logit_bias:
         try:
             values["logit_bias"] = {int(k): v for k, v in request.logit_bias.items()}

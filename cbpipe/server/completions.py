@@ -55,10 +55,11 @@ async def create_completion(
     options = sampling_options(
         body,
         detokenize=state.text.has_tokenizer,
+        defaults=state.defaults,
         logprobs=logprobs,
         prompt_logprobs=logprobs if body.echo and logprobs is not None else None,
     )
-    max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
+    max_tokens = body.max_tokens or state.defaults.max_tokens or DEFAULT_MAX_TOKENS
     try:
         generation = Generation(
             state.client, state.metrics, prompts, [max_tokens] * len(prompts), options

@@ -65,7 +65,7 @@ def server_main(spec: RunSpec, ready: Connection, sock: socket.socket, index: in
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
     heartbeats = spec.heartbeats(segment.buf)
     try:
-        asyncio.run(_serve(spec, ready, sock, heartbeats.beater(name)))
+        asyncio.run(_serve(spec, ready, sock, heartbeats.beater(name), first=index == 0))
     except Exception:
         log.exception("the HTTP server failed")
         with contextlib.suppress(OSError):
@@ -85,12 +85,12 @@ async def _beat(beat: Callable[[], None]) -> None:
 
 
 async def _serve(
-    spec: RunSpec, ready: Connection, sock: socket.socket, beat: Callable[[], None]
+    spec: RunSpec, ready: Connection, sock: socket.socket, beat: Callable[[], None], first: bool
 ) -> None:
     from cbpipe.client import AsyncClient
     from cbpipe.models import resolve_model
     from cbpipe.server.app import build_app
-    from cbpipe.server.common import ServerState
+    from cbpipe.server.common import SamplingDefaults, ServerState
     from cbpipe.server.metrics import ServerMetrics
     from cbpipe.server.text import Text
 
@@ -102,6 +102,10 @@ async def _serve(
     try:
         name = server_config.served_model_name or spec.config.model.model
         text = Text.load(source.tokenizer_path, name, server_config.chat_template)
+        defaults = SamplingDefaults.chosen(server_config.generation_config, source.path)
+        if first and (recommended := defaults.describe()):
+            log.info("requests that leave them out get the model's sampling defaults: %s "
+                     "(--generation-config none: OpenAI's)", recommended)  # fmt: skip
         state = ServerState(
             client,
             text,
@@ -109,6 +113,7 @@ async def _serve(
             name,
             api_key=spec.config.api_key,
             created=int(time.time()),
+            defaults=defaults,
         )
         config = uvicorn.Config(
             build_app(state),

@@ -16,6 +16,7 @@ import math
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -754,3 +755,35 @@ def test_a_dead_engine_is_a_503(fresh_http_engine: EngineRun) -> None:
     finally:
         os.kill(fresh_http_engine.pid, signal.SIGCONT)
     assert fresh_http_engine.engine.wait_exit(RESULT_TIMEOUT_S) == 1
+
+
+# --- the model's sampling defaults ---------------------------------------------------------
+
+
+def test_the_models_recommended_sampling_fills_what_a_request_leaves_out(
+    tmp_path: Path, hf: Any
+) -> None:
+    """With greedy and 5 tokens recommended, a bare request is answered greedily with 5 tokens;
+    a request's own fields still win."""
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 5})
+    )
+    flags = ("--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "128",
+             "--port", "0", "--generation-config", str(tmp_path))  # fmt: skip
+    run = EngineRun(flags)
+    try:
+        run.wait_ready(POOL_READY_TIMEOUT_S)
+        api = openai.OpenAI(base_url=run.http_url + "/v1", api_key="-", max_retries=0)
+        prompt = "The list of"
+        bare = api.completions.create(model=str(TEXT_MODEL_DIR), prompt=prompt, seed=1)
+        assert bare.usage is not None and bare.usage.completion_tokens == 5
+        expected = hf[1].decode(hf_greedy(hf, encode(hf, prompt), 5), skip_special_tokens=True)
+        assert bare.choices[0].text == expected
+        sampled = api.completions.create(
+            model=str(TEXT_MODEL_DIR), prompt=prompt, max_tokens=7, temperature=1.0, n=4, seed=1
+        )
+        assert sampled.usage is not None and sampled.usage.completion_tokens == 4 * 7
+        assert len({c.text for c in sampled.choices}) > 1
+        run.finish()
+    finally:
+        run.discard()
