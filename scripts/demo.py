@@ -26,10 +26,10 @@ def main(argv: list[str]) -> None:
         for prompt in PROMPTS:
             job = client.submit(prompt, max_new_tokens=48)
             print(f"\033[1m{prompt}\033[0m", end="", flush=True)
-            for token_id in job.stream():
-                print(f"\033[2m{token_id}\033[0m ", end="", flush=True)
+            for delta in job.deltas():  # the text as it streams, step by step
+                print(delta.text, end="", flush=True)
             result = job.result()
-            print(f"\n  -> {prompt}{result.text!s}  [{result.finish_reason}]\n", flush=True)
+            print(f"  [{result.finish_reason}, {len(result.token_ids)} tokens]\n", flush=True)
         start = time.perf_counter()
         results = client.generate(PROMPTS * 16, max_new_tokens=48, temperature=0.8, seed=0)
         elapsed = time.perf_counter() - start
