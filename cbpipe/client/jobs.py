@@ -219,6 +219,7 @@ class Result:
     prompt_logprobs: PromptLogprob | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     queue_time_s: float = 0.0  # from arrival to its first step
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served, not computed
 
 
 @dataclass
@@ -291,6 +292,7 @@ class JobState:
             prompt_logprobs=self.prompt_logprobs,
             stop_reason=message.stop_reason,
             queue_time_s=message.queue_time_s,
+            num_cached_tokens=message.num_cached_tokens,
         )
         self.deltas.append(Delta(message.index, [], "", finish_reason=message.finish_reason))
 

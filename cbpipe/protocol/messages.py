@@ -159,6 +159,8 @@ class Finished(Message):
     stop_reason: str | int | None = None
     # Seconds from arrival until the scheduler first planned a step for it.
     queue_time_s: float = 0.0
+    # Prompt tokens the prefix cache served (not computed for this sample).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -307,6 +307,7 @@ class Scheduler:
             self._publish(req, start + num_new)
             if req.status is RequestStatus.WAITING:
                 admitted.append(req)
+                req.num_cached_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.tables.assign(req)

@@ -421,6 +421,7 @@ class Frontend:
                 index=req.sample_index,
                 stop_reason=req.stop_reason,
                 queue_time_s=queued_ns / 1e9,
+                num_cached_tokens=req.num_cached_tokens,
             ),
         )
 

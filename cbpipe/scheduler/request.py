@@ -86,6 +86,8 @@ class Request:
     # Set by the process loop: when the request arrived and was first scheduled (host clock).
     arrival_ns: int = 0
     first_scheduled_ns: int | None = None
+    # Prompt tokens the prefix cache held at its first admission: not computed for it.
+    num_cached_tokens: int = 0
     sampling_mode: SamplingMode = field(init=False)
     prompt_logprobs: PromptLogprobsBuffer | None = field(init=False)
     # Prefix caching: hashes of the full blocks of known tokens, in order (computed as they

@@ -24,7 +24,6 @@ from cbpipe.server.common import (
     now_s,
     sampling_options,
     stream_events,
-    usage,
 )
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
@@ -143,7 +142,7 @@ async def _complete(
         "created": now_s(),
         "model": state.model_name,
         "choices": [_result_choice(state.text, body, r) for r in results],
-        "usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens),
+        "usage": generation.usage(),
     }
     if body.return_token_ids:
         response["prompt_token_ids"] = generation.prompts[0]

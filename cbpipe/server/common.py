@@ -159,14 +159,6 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(num_prompt_tokens: int, num_generated_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_generated_tokens,
-        "total_tokens": num_prompt_tokens + num_generated_tokens,
-    }
-
-
 def top_alternatives(text: Text, top: TopLogprobs) -> Iterator[tuple[str, float]]:
     return ((text.token_string(token_id), logprob) for token_id, logprob in top)
 
@@ -208,7 +200,7 @@ async def stream_events(
     def so_far() -> dict[str, Any]:
         if not continuous:
             return {}
-        return {"usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens)}
+        return {"usage": generation.usage()}
 
     try:
         batch = first
@@ -219,11 +211,9 @@ async def stream_events(
     except Exception as exc:
         yield from_engine(exc).event()
     else:
-        if options and options.include_usage:
-            yield envelope.event(
-                [], usage=usage(generation.num_prompt_tokens, generation.num_generated_tokens)
-            )
         await generation.results()  # records the finished samples in the metrics
+        if options and options.include_usage:
+            yield envelope.event([], usage=generation.usage())
     yield DONE
 
 

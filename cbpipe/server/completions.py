@@ -30,7 +30,6 @@ from cbpipe.server.common import (
     sampling_options,
     stream_events,
     top_alternatives,
-    usage,
 )
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
@@ -206,7 +205,7 @@ async def _complete(
             "created": now_s(),
             "model": state.model_name,
             "choices": choices,
-            "usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens),
+            "usage": generation.usage(),
         }
     )
 

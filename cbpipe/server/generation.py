@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from cbpipe.client import AsyncClient, AsyncJob, Delta, Result, SamplingOptions
 from cbpipe.client.jobs import TopLogprobs
@@ -82,6 +83,7 @@ class Generation:
         self._clocks = [[_SampleClock() for _ in range(self.n)] for _ in self.jobs]
         self.num_prompt_tokens = sum(len(p) for p in self.prompts)
         self.num_generated_tokens = 0
+        self.num_cached_tokens: int | None = None  # known once the results are in
 
     async def batches(self) -> AsyncIterator[Batch]:
         """Every job's deltas as they arrive, timed; raises the first job error (and
@@ -99,6 +101,11 @@ class Generation:
         """Each prompt's results, by sample, once ``batches()`` is exhausted; recorded in the
         metrics."""
         results = [await job.results() for job in self.jobs]
+        # Each prompt counts once, whatever n: the tokens its least served sample computed
+        # were computed for it (the others may have found the first's blocks).
+        self.num_cached_tokens = sum(
+            min(r.num_cached_tokens for r in prompt_results) for prompt_results in results
+        )
         now = time.perf_counter()
         self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self.metrics.generation_tokens.inc(self.num_generated_tokens)
@@ -111,6 +118,18 @@ class Generation:
                     per_token = (clock.last_s - clock.first_s) / (clock.num_tokens - 1)
                     self.metrics.time_per_output_token.observe(per_token)
         return results
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object: prompt tokens (each prompt once, whatever ``n``), generated
+        tokens, and once the results are in, the prompt tokens the prefix cache served."""
+        body: dict[str, Any] = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_generated_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_generated_tokens,
+        }
+        if self.num_cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return body
 
     def cancel_unfinished(self) -> None:
         """Ask the engine to stop every job not yet finished (without awaiting: this runs in

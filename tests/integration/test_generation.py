@@ -85,3 +85,11 @@ def test_results_survive_preemption(client: Client) -> None:
     for result in squeezed:
         assert_full_length(result, 200)
     assert [r.token_ids for r in squeezed] == [r.token_ids for r in roomy]
+
+
+def test_a_result_says_how_much_of_its_prompt_the_cache_served(client: Client) -> None:
+    prompt = random_prompt(random.Random(6), 40)  # two full blocks of 16 to reuse
+    first = client.submit(prompt, max_new_tokens=2).result(timeout=RESULT_TIMEOUT_S)
+    again = client.submit(prompt, max_new_tokens=2).result(timeout=RESULT_TIMEOUT_S)
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert again.token_ids == first.token_ids

@@ -703,6 +703,26 @@ def test_metrics_show_the_prefix_cache_serving_a_repeated_prompt(
     assert after["cbpipe:prefix_cache_hits"] - before["cbpipe:prefix_cache_hits"] == 32
 
 
+def test_usage_counts_the_prompt_tokens_the_cache_served(tiny_api: openai.OpenAI) -> None:
+    prompt = random.Random(44).choices(range(3, 500), k=40)  # two full blocks of 16 to reuse
+
+    def cached(**fields: Any) -> int | None:
+        reply = tiny_api.completions.create(
+            model="random:qwen2-tiny", prompt=prompt, max_tokens=2, **fields
+        )
+        if fields.get("stream"):
+            *_, last = reply
+            reply = last
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0
+    assert cached() == 32
+    assert cached(stream=True, stream_options={"include_usage": True}) == 32
+    # Each prompt counts once: the least of its samples' (here all found the blocks).
+    assert cached(n=3, temperature=1.0) == 32
+
+
 def test_a_cache_salt_keeps_cached_prompts_private(
     http_tiny_engine: EngineRun, tiny_api: openai.OpenAI
 ) -> None:
