@@ -188,6 +188,16 @@ class ServerConfig:
     chat_template: str | None = _opt(
         None, "a Jinja chat template (a file, or the template itself) instead of the tokenizer's"
     )
+    enable_auto_tool_choice: bool = _opt(
+        False,
+        "find tool calls in chat replies (requests with tools and tool_choice auto, the "
+        "default once tools are given); needs --tool-call-parser",
+    )
+    tool_call_parser: str | None = _opt(
+        None,
+        "how the model writes tool calls: 'hermes' (<tool_call> blocks: Hermes, Qwen 2.5 and "
+        "3) or 'llama3_json' (a reply of JSON calls: Llama 3.1 and 3.2)",
+    )
     generation_config: str = _opt(
         "auto",
         "sampling defaults for requests that leave a field out: 'auto' takes the model's "
@@ -233,6 +243,8 @@ class EngineConfig:
     )
 
     def validate(self) -> None:
+        from cbpipe.server.tools import PARSERS
+
         s, c = self.scheduler, self.cache
         checks = [
             (s.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
@@ -268,6 +280,14 @@ class EngineConfig:
             (
                 self.server.api_server_count is None or self.server.api_server_count >= 1,
                 "--api-server-count must be >= 1",
+            ),
+            (
+                self.server.tool_call_parser is None or self.server.tool_call_parser in PARSERS,
+                f"--tool-call-parser must be one of {', '.join(PARSERS)}",
+            ),
+            (
+                not self.server.enable_auto_tool_choice or self.server.tool_call_parser,
+                "--enable-auto-tool-choice needs --tool-call-parser",
             ),
             (
                 self.server.generation_config in ("auto", "none")

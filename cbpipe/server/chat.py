@@ -1,11 +1,14 @@
 """``POST /v1/chat/completions``: a conversation rendered by the model's chat template (in
 this process: the scheduler gets token ids), answered as one assistant message per sample,
-streaming or not."""
+streaming or not; with ``tools``, the calls the reply makes (``tools.py``) as its
+``tool_calls``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -27,8 +30,9 @@ from cbpipe.server.common import (
 )
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
-from cbpipe.server.schemas import ChatCompletionRequest
+from cbpipe.server.schemas import ChatCompletionRequest, ChatMessage
 from cbpipe.server.text import Text, TextError
+from cbpipe.server.tools import StreamedReply, ToolCall, ToolCallParser
 
 
 async def create_chat_completion(
@@ -38,13 +42,16 @@ async def create_chat_completion(
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = [as_template_message(m.role, m.content, m.name) for m in body.messages]
+    messages = [template_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    use = tool_use(body, state.tool_parser)
     try:
         prompt = await asyncio.to_thread(  # off the event loop, as a completion's prompt
             state.text.chat_prompt,
             messages,
             add_generation_prompt=bool(body.add_generation_prompt),
             continue_final_message=bool(body.continue_final_message),
+            tools=tools,
         )
     except TextError as exc:
         raise APIError(400, str(exc), param="messages") from None
@@ -62,22 +69,78 @@ async def create_chat_completion(
     except Exception as exc:
         raise from_engine(exc, max_tokens_name) from None
     if body.stream:
-        return await _stream(generation, body, request, state, max_tokens_name)
-    return await _complete(generation, body, request, state, max_tokens_name)
+        return await _stream(generation, body, request, state, max_tokens_name, use)
+    return await _complete(generation, body, request, state, max_tokens_name, use)
 
 
-def as_template_message(role: str, content: object, name: str | None) -> dict[str, str]:
+@dataclass(frozen=True)
+class ToolUse:
+    """How a request's replies are read for tool calls."""
+
+    parser: ToolCallParser
+    parallel: bool  # parallel_tool_calls: false keeps a reply's first call only
+
+    def openai_calls(self, calls: list[ToolCall], streamed: bool) -> list[dict[str, Any]]:
+        kept = calls if self.parallel else calls[:1]
+        return [call.as_openai(i if streamed else None) for i, call in enumerate(kept)]
+
+
+def tool_use(body: ChatCompletionRequest, parser: ToolCallParser | None) -> ToolUse | None:
+    """Whether (and how) to look for tool calls in this request's replies: with ``tools``
+    and ``tool_choice`` "auto" (the default with tools), on a server started to. Nothing
+    can force a call, so "required" and a named function are refused."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None  # the template still shows the tools, as vLLM's does
+    if choice is not None and choice != "auto":
+        raise APIError(
+            400,
+            "cbpipe cannot force a tool call (it has no structured output): use tool_choice "
+            '"auto" or "none"',
+            param="tool_choice",
+        )
+    if parser is None:
+        raise APIError(
+            400,
+            '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+            "--tool-call-parser",
+            param="tool_choice",
+        )
+    return ToolUse(parser, parallel=body.parallel_tool_calls is not False)
+
+
+def template_message(message: ChatMessage, where: str) -> dict[str, Any]:
+    """A message as chat templates read it: text content, and an assistant's calls with
+    their arguments as objects."""
+    content = message.content
     if content is None:
         text = ""
     elif isinstance(content, str):
         text = content
     else:
-        assert isinstance(content, list)
         text = "".join(part.text for part in content)
-    message = {"role": role, "content": text}
-    if name is not None:
-        message["name"] = name
-    return message
+    rendered: dict[str, Any] = {"role": message.role, "content": text}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        rendered["tool_calls"] = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                param = f"{where}.tool_calls[{j}].function.arguments"
+                raise APIError(400, f"{param} must be a JSON object", param=param)
+            function = {"name": call.function.name, "arguments": arguments}
+            rendered["tool_calls"].append({"id": call.id, "type": "function", "function": function})
+    return rendered
 
 
 def _content_logprobs(
@@ -101,9 +164,19 @@ def _content_logprobs(
     return entries
 
 
-def _result_choice(text: Text, body: ChatCompletionRequest, result: Result) -> dict[str, Any]:
+def _result_choice(
+    text: Text, body: ChatCompletionRequest, result: Result, use: ToolUse | None
+) -> dict[str, Any]:
     if result.finish_reason == "error":
         raise APIError(500, "the engine failed this request", code="engine_error")
+    message: dict[str, Any] = {"role": "assistant", "content": result.text or "", "refusal": None}
+    finish_reason = result.finish_reason
+    if use is not None:
+        reply = use.parser.parse(result.text or "")
+        if reply.calls:
+            message["content"] = reply.content.strip() or None
+            message["tool_calls"] = use.openai_calls(reply.calls, streamed=False)
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     logprobs = None
     if body.logprobs:
         assert result.logprobs is not None
@@ -112,9 +185,9 @@ def _result_choice(text: Text, body: ChatCompletionRequest, result: Result) -> d
         logprobs = {"content": content, "refusal": None}
     entry: dict[str, Any] = {
         "index": result.index,
-        "message": {"role": "assistant", "content": result.text or "", "refusal": None},
+        "message": message,
         "logprobs": logprobs,
-        "finish_reason": result.finish_reason,
+        "finish_reason": finish_reason,
         "stop_reason": result.stop_reason,
     }
     if body.return_token_ids:
@@ -128,6 +201,7 @@ async def _complete(
     request: Request,
     state: ServerState,
     max_tokens_name: str,
+    use: ToolUse | None,
 ) -> Response:
     async with cancelled_on_disconnect(request, generation):
         try:
@@ -141,7 +215,7 @@ async def _complete(
         "object": "chat.completion",
         "created": now_s(),
         "model": state.model_name,
-        "choices": [_result_choice(state.text, body, r) for r in results],
+        "choices": [_result_choice(state.text, body, r, use) for r in results],
         "usage": generation.usage(),
     }
     if body.return_token_ids:
@@ -155,6 +229,7 @@ async def _stream(
     request: Request,
     state: ServerState,
     max_tokens_name: str,
+    use: ToolUse | None,
 ) -> Response:
     first, batches = await first_batch_then(generation, request, max_tokens_name)
     envelope = Envelope(
@@ -165,7 +240,7 @@ async def _stream(
             "model": state.model_name,
         }  # fmt: skip
     )
-    events = _events(generation, body, state.text, envelope, first, batches)
+    events = _events(generation, body, state.text, envelope, first, batches, use)
     return EventStream(events, generation.cancel_unfinished)
 
 
@@ -176,38 +251,58 @@ def _events(
     envelope: Envelope,
     first: Batch | None,
     batches: AsyncIterator[Batch],
+    use: ToolUse | None,
 ) -> AsyncIterator[bytes]:
     started: set[int] = set()  # samples whose role went out
+    replies: dict[int, StreamedReply] = {}  # each sample's text, read for tool calls
 
     def choices_of(batch: Batch) -> Iterator[list[dict[str, Any]]]:
-        for choice in _batch_choices(text, body, batch, started):
+        for choice in _batch_choices(text, body, batch, started, use, replies):
             yield [choice]
 
     return stream_events(generation, body.stream_options, envelope, first, batches, choices_of)
 
 
 def _batch_choices(
-    text: Text, body: ChatCompletionRequest, batch: Batch, started: set[int]
+    text: Text,
+    body: ChatCompletionRequest,
+    batch: Batch,
+    started: set[int],
+    use: ToolUse | None,
+    replies: dict[int, StreamedReply],
 ) -> list[dict[str, Any]]:
     """One chunk's choice per sample that moved: its deltas in this batch joined. A
-    sample's first chunk carries the assistant's role."""
+    sample's first chunk carries the assistant's role; with tools, the text that may be a
+    call waits, and the calls go out with the sample's last chunk."""
     choices = []
     for index, entry in batch.by_sample().items():
         message: dict[str, Any] = {}
         if index not in started:
             started.add(index)
             message["role"] = "assistant"
-        if entry.token_ids or entry.text or "role" in message:
-            message["content"] = entry.text
+        content, calls = entry.text, list[ToolCall]()
+        finish_reason = entry.finish_reason
+        if use is not None:
+            reply = replies.setdefault(index, StreamedReply(use.parser))
+            content = reply.feed(entry.text)
+            if finish_reason is not None:
+                rest, calls = reply.finish()
+                content += rest
+        if entry.token_ids or content or "role" in message:
+            message["content"] = content
+        if calls:
+            assert use is not None
+            message["tool_calls"] = use.openai_calls(calls, streamed=True)
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         out: dict[str, Any] = {
             "index": index,
             "delta": message,
             "logprobs": None,
-            "finish_reason": entry.finish_reason,
+            "finish_reason": finish_reason,
         }
         if body.logprobs and entry.token_ids:
-            content = _content_logprobs(text, entry.token_ids, entry.logprobs, entry.top_logprobs)
-            out["logprobs"] = {"content": content, "refusal": None}
+            scored = _content_logprobs(text, entry.token_ids, entry.logprobs, entry.top_logprobs)
+            out["logprobs"] = {"content": scored, "refusal": None}
         if body.return_token_ids:
             out["token_ids"] = entry.token_ids
         choices.append(out)

@@ -24,6 +24,7 @@ from cbpipe.server.generation import Batch, Generation
 from cbpipe.server.metrics import ServerMetrics
 from cbpipe.server.schemas import StreamOptions, _SamplingFields
 from cbpipe.server.text import Text
+from cbpipe.server.tools import ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class ServerState:
     api_key: str | None = None
     created: int = 0  # when the model was loaded (for /v1/models)
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # Where --enable-auto-tool-choice: how replies are read for tool calls.
+    tool_parser: ToolCallParser | None = None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -93,6 +93,7 @@ async def _serve(
     from cbpipe.server.common import SamplingDefaults, ServerState
     from cbpipe.server.metrics import ServerMetrics
     from cbpipe.server.text import Text
+    from cbpipe.server.tools import PARSERS
 
     server_config = spec.config.server
     source = resolve_model(spec.config.model.model, spec.config.model.revision)
@@ -114,6 +115,11 @@ async def _serve(
             api_key=spec.config.api_key,
             created=int(time.time()),
             defaults=defaults,
+            tool_parser=(
+                PARSERS[server_config.tool_call_parser]()
+                if server_config.enable_auto_tool_choice and server_config.tool_call_parser
+                else None
+            ),
         )
         config = uvicorn.Config(
             build_app(state),

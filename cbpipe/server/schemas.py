@@ -31,6 +31,7 @@ UNION_TYPES = {
     "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 
@@ -97,10 +98,46 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made, as an earlier reply gave it."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ResponseFormat(_Strict):
@@ -116,6 +153,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    # "required" and a named function are 400s: nothing can force a call (no structured output)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extensions for the chat template
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -128,6 +169,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None  # rendered by the chat template, as in a chat request
     add_special_tokens: bool | None = None  # default: as the endpoint it stands for (none)
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False

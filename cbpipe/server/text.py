@@ -36,9 +36,8 @@ class Text:
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         if chat_template is not None:
-            template_file = Path(chat_template)
-            if len(chat_template) < 4096 and template_file.is_file():
-                chat_template = template_file.read_text()
+            if _is_file(chat_template):
+                chat_template = Path(chat_template).read_text()
             tokenizer.chat_template = chat_template
         return cls(tokenizer, model_name)
 
@@ -71,12 +70,14 @@ class Text:
 
     def chat_prompt(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool,
         continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The token ids of a conversation rendered by the model's chat template."""
+        """The token ids of a conversation rendered by the model's chat template, with the
+        ``tools`` it may call (OpenAI's function definitions) where given."""
         if self.tokenizer is None:
             raise TextError(f"model {self.model_name} has no tokenizer: chat needs one")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -92,6 +93,7 @@ class Text:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
             )
         except Exception as exc:  # jinja2 and the template's own raise_exception
             raise TextError(f"the chat template refused the messages: {exc}") from None
@@ -104,3 +106,11 @@ class Text:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return str(self.tokenizer.decode([token_id]))
+
+
+def _is_file(name: str) -> bool:
+    """Whether ``name`` names a file; a template's own text may be too long a name to ask."""
+    try:
+        return Path(name).is_file()
+    except OSError:  # ENAMETOOLONG
+        return False

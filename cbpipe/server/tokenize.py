@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from cbpipe.server.chat import as_template_message
+from cbpipe.server.chat import template_message
 from cbpipe.server.common import ServerState
 from cbpipe.server.errors import APIError
 from cbpipe.server.schemas import DetokenizeRequest, TokenizeRequest
@@ -26,8 +26,9 @@ async def tokenize(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
     try:
         # Off the event loop, as the generation endpoints tokenize.
         if body.messages is not None:
-            messages = [as_template_message(m.role, m.content, m.name) for m in body.messages]
             param = "messages"
+            messages = [template_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             if body.add_special_tokens:
                 raise TextError("add_special_tokens: the chat template writes the special tokens")
             token_ids = await asyncio.to_thread(
@@ -35,6 +36,7 @@ async def tokenize(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
                 messages,
                 add_generation_prompt=bool(body.add_generation_prompt),
                 continue_final_message=bool(body.continue_final_message),
+                tools=tools,
             )
         else:
             assert body.prompt is not None

@@ -474,7 +474,9 @@ def test_bad_completion_requests_are_400s(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+          "function": {"name": "f"}}]}, "tool_choice"),  # no --enable-auto-tool-choice
         ({"messages": [{"role": "user", "content": "x"}],
           "response_format": {"type": "json_object"}}, "response_format.type"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
