@@ -11,6 +11,7 @@ import pytest
 
 from cbpipe.client import Client, RequestError
 from cbpipe.engine_process import EngineProcess
+from tests.hub_cache import cache_model
 from tests.integration.conftest import EMBEDDED_MODEL_DIR, TEXT_MODEL_DIR, EngineRun
 from tests.integration.helpers import RESULT_TIMEOUT_S
 
@@ -141,8 +142,6 @@ def test_a_model_named_by_its_hub_id_serves_from_the_cache(
     """Every process finds the snapshot in the cache, offline; the id is the model's name."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from tests.unit.test_hub_models import cache_model
 
     cache_model(tmp_path, "acme/tiny", sorted(EMBEDDED_MODEL_DIR.iterdir()))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))

@@ -13,13 +13,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from cbpipe.client import Delta, Result
+from cbpipe.models import EMBEDDED_MODEL_DIR
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.server.app import build_app
 from cbpipe.server.common import ServerState
 from cbpipe.server.metrics import ServerMetrics
 from cbpipe.server.text import Text
 from cbpipe.server.tools import HermesParser
-from tests.integration.conftest import TEXT_MODEL_DIR
 
 TEMPLATE = (
     "{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}"
@@ -73,7 +73,7 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def text() -> Text:
-    return Text.load(TEXT_MODEL_DIR, "m", TEMPLATE)
+    return Text.load(EMBEDDED_MODEL_DIR, "m", TEMPLATE)
 
 
 def app_for(text: Text, pieces: list[str], tools: bool = True) -> tuple[TestClient, ScriptedEngine]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,22 +10,7 @@ import pytest
 from huggingface_hub import constants
 
 from cbpipe.models import EMBEDDED_MODEL_DIR, fetch_model, hub, resolve_model
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def cache_model(
-    cache: Path, repo_id: str, files: list[Path], ref: str = "main", commit: str = COMMIT
-) -> Path:
-    """``files`` as the Hugging Face cache holds a snapshot of ``repo_id`` at ``ref``."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for file in files:
-        shutil.copy(file, snapshot / file.name)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / ref).write_text(commit)
-    return snapshot
+from tests.hub_cache import cache_model
 
 
 @pytest.fixture
