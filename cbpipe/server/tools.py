@@ -2,7 +2,7 @@
 taught it (``--tool-call-parser``, vLLM's names), returned as OpenAI's ``tool_calls``.
 
 A parser splits a reply into the content outside the calls and the calls. Streaming, the
-content goes out as it comes except what may be the start of a call (``held_from``); the
+content goes out as it comes except what may be the start of a call (``split``); the
 calls go out whole once the sample is over, so a reply that only looked like a call
 (malformed JSON, a cut-off) is sent as the text it is. Nothing constrains what the model
 writes: cbpipe has no structured output, so a call can be asked for (``tool_choice``
@@ -46,9 +46,10 @@ class ToolCallParser:
     def parse(self, text: str) -> ParsedReply:
         raise NotImplementedError
 
-    def held_from(self, text: str) -> int:
-        """Where the text that may belong to a call starts in a reply so far; ``len(text)``
-        when all of it is content."""
+    def split(self, pending: str, at_start: bool) -> tuple[int, bool]:
+        """For a streamed reply's text not yet sent (``at_start``: none was): how much of it
+        is content to send now, and whether what follows may belong to a call, to be held
+        until the reply is over."""
         raise NotImplementedError
 
 
@@ -90,15 +91,15 @@ class HermesParser(ToolCallParser):
             return ParsedReply(text, [])
         return ParsedReply(text[:first], calls)
 
-    def held_from(self, text: str) -> int:
-        start = text.find(self.START)
+    def split(self, pending: str, at_start: bool) -> tuple[int, bool]:
+        start = pending.find(self.START)
         if start >= 0:
-            return start
-        # A suffix that the marker may go on from.
-        for size in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-size:]):
-                return len(text) - size
-        return len(text)
+            return start, True
+        # A suffix that the marker may go on from waits for the next text.
+        for size in range(min(len(self.START) - 1, len(pending)), 0, -1):
+            if self.START.startswith(pending[-size:]):
+                return len(pending) - size, False
+        return len(pending), False
 
     @staticmethod
     def _decode(body: str) -> ToolCall | None:
@@ -133,9 +134,13 @@ class Llama3JsonParser(ToolCallParser):
                 at += 1
         return ParsedReply("", calls)
 
-    def held_from(self, text: str) -> int:
-        body = text.lstrip()
-        return 0 if not body or body.startswith("{") else len(text)
+    def split(self, pending: str, at_start: bool) -> tuple[int, bool]:
+        if not at_start:
+            return len(pending), False  # the reply began as text: all of it is
+        body = pending.lstrip()
+        if not body:
+            return 0, False  # undecided until its first character
+        return (0, True) if body.startswith("{") else (len(pending), False)
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
@@ -145,24 +150,30 @@ PARSERS: dict[str, type[ToolCallParser]] = {
 
 class StreamedReply:
     """One streamed sample's text, split as it comes: ``feed`` gives the content that can go
-    out now; ``finish`` the rest of it and the calls."""
+    out now; ``finish`` the rest of it and the calls. Linear in the reply's length: only the
+    text not yet sent is searched, and once a call may have begun nothing is until the end."""
 
     def __init__(self, parser: ToolCallParser) -> None:
         self._parser = parser
-        self._text = ""
-        self._sent = 0
+        self._parts: list[str] = []  # the whole reply, joined once at the end
+        self._pending = ""  # text neither sent nor held to the end (a marker's first part)
+        self._num_sent = 0  # characters sent as content
+        self._holding = False
 
     def feed(self, delta: str) -> str:
-        self._text += delta
-        ready = self._parser.held_from(self._text)
-        if ready <= self._sent:
+        self._parts.append(delta)
+        if self._holding:
             return ""
-        out, self._sent = self._text[self._sent : ready], ready
+        self._pending += delta
+        ready, self._holding = self._parser.split(self._pending, at_start=self._num_sent == 0)
+        out, self._pending = self._pending[:ready], self._pending[ready:]
+        self._num_sent += ready
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        reply = self._parser.parse(self._text)
-        end = len(reply.content) if reply.calls else len(self._text)
-        rest = self._text[self._sent : end] if end > self._sent else ""
-        self._sent = len(self._text)
+        text = "".join(self._parts)
+        reply = self._parser.parse(text)
+        end = len(reply.content) if reply.calls else len(text)
+        rest = text[self._num_sent : end] if end > self._num_sent else ""
+        self._num_sent, self._pending, self._holding = len(text), "", True
         return rest, reply.calls
