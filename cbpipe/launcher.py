@@ -116,13 +116,28 @@ def main(argv: list[str] | None = None) -> None:
         description="Serve a Hugging Face causal LM with asynchronous continuous batching.",
     )
     config_module.add_arguments(parser)
-    config = config_module.from_arguments(parser.parse_args(argv))
+    config = config_module.from_arguments(parse_args(parser, argv))
     try:
         config.validate()
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(config.log_level, "launcher")
     sys.exit(Launcher(config).run())
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, and the model as vLLM's ``vllm serve MODEL`` takes it: a first word that is
+    not a flag stands for ``--model``."""
+    parser.add_argument(
+        "positional_model", nargs="?", metavar="MODEL", help="the same as --model MODEL"
+    )
+    args = parser.parse_args(argv)
+    model = args.__dict__.pop("positional_model")
+    if model is not None:
+        if args.model__model not in (config_module.DEFAULT_MODEL, model):
+            parser.error(f"two models: {model} and --model {args.model__model}")
+        args.model__model = model
+    return args
 
 
 def resolve_limits(config: EngineConfig) -> EngineConfig:

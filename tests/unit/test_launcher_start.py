@@ -1,9 +1,14 @@
-"""How the launcher starts its children: forked where that is safe, spawned otherwise."""
+"""How the launcher starts its children: forked where that is safe, spawned otherwise; and
+how it reads its command line."""
 
+import argparse
 import subprocess
 import sys
 
 import pytest
+
+from cbpipe import config as config_module
+from cbpipe import launcher
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks on Linux")
 
@@ -60,3 +65,17 @@ def test_packages_imported_from_source_without_bytecode_are_named(tmp_path, monk
     py_compile.compile(source, cfile=importlib.util.cache_from_source(source))
     importlib.import_module("prefixed_pkg")
     assert sources_without_bytecode(["prefixed_pkg"]) == []
+
+
+def test_the_model_may_come_first_as_vllm_serve_takes_it() -> None:
+    def model_of(*argv: str) -> str:
+        parser = argparse.ArgumentParser()
+        config_module.add_arguments(parser)
+        return config_module.from_arguments(launcher.parse_args(parser, list(argv))).model.model
+
+    assert model_of("acme/tiny", "--port", "8000") == "acme/tiny"
+    assert model_of("--model", "acme/tiny") == "acme/tiny"
+    assert model_of() == config_module.DEFAULT_MODEL
+    assert model_of("acme/tiny", "--model", "acme/tiny") == "acme/tiny"
+    with pytest.raises(SystemExit):
+        model_of("acme/tiny", "--model", "acme/other")
