@@ -30,7 +30,7 @@ from cbpipe.server.common import (
 )
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
-from cbpipe.server.schemas import ChatCompletionRequest, ChatMessage
+from cbpipe.server.schemas import ChatCompletionRequest, ChatMessage, Tool
 from cbpipe.server.text import Text, TextError
 from cbpipe.server.tools import StreamedReply, ToolCall, ToolCallParser
 
@@ -42,16 +42,14 @@ async def create_chat_completion(
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = [template_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)]
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     use = tool_use(body, state.tool_parser)
     try:
-        prompt = await asyncio.to_thread(  # off the event loop, as a completion's prompt
-            state.text.chat_prompt,
-            messages,
+        prompt = await render_conversation(
+            state.text,
+            body.messages,
+            body.tools,
             add_generation_prompt=bool(body.add_generation_prompt),
             continue_final_message=bool(body.continue_final_message),
-            tools=tools,
         )
     except TextError as exc:
         raise APIError(400, str(exc), param="messages") from None
@@ -73,6 +71,27 @@ async def create_chat_completion(
     return await _complete(generation, body, request, state, max_tokens_name, use)
 
 
+async def render_conversation(
+    text: Text,
+    messages: list[ChatMessage],
+    tools: list[Tool] | None,
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> list[int]:
+    """The token ids the chat template makes of ``messages`` and ``tools``, rendered off the
+    event loop (a long conversation must not stall the other streams); ``TextError`` for a
+    conversation the template refuses."""
+    rendered = [template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    return await asyncio.to_thread(
+        text.chat_prompt,
+        rendered,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+    )
+
+
 @dataclass(frozen=True)
 class ToolUse:
     """How a request's replies are read for tool calls."""
@@ -80,9 +99,14 @@ class ToolUse:
     parser: ToolCallParser
     parallel: bool  # parallel_tool_calls: false keeps a reply's first call only
 
-    def openai_calls(self, calls: list[ToolCall], streamed: bool) -> list[dict[str, Any]]:
+    def answer(
+        self, calls: list[ToolCall], finish_reason: str | None, streamed: bool
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """A reply's calls as OpenAI's ``tool_calls``, and its finish reason: a reply that
+        ended by itself ended to call."""
         kept = calls if self.parallel else calls[:1]
-        return [call.as_openai(i if streamed else None) for i, call in enumerate(kept)]
+        openai = [call.as_openai(i if streamed else None) for i, call in enumerate(kept)]
+        return openai, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def tool_use(body: ChatCompletionRequest, parser: ToolCallParser | None) -> ToolUse | None:
@@ -170,13 +194,12 @@ def _result_choice(
     if result.finish_reason == "error":
         raise APIError(500, "the engine failed this request", code="engine_error")
     message: dict[str, Any] = {"role": "assistant", "content": result.text or "", "refusal": None}
-    finish_reason = result.finish_reason
+    finish_reason: str | None = result.finish_reason
     if use is not None:
         reply = use.parser.parse(result.text or "")
         if reply.calls:
             message["content"] = reply.content.strip() or None
-            message["tool_calls"] = use.openai_calls(reply.calls, streamed=False)
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            message["tool_calls"], finish_reason = use.answer(reply.calls, finish_reason, False)
     logprobs = None
     if body.logprobs:
         assert result.logprobs is not None
@@ -292,8 +315,7 @@ def _batch_choices(
             message["content"] = content
         if calls:
             assert use is not None
-            message["tool_calls"] = use.openai_calls(calls, streamed=True)
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            message["tool_calls"], finish_reason = use.answer(calls, finish_reason, True)
         out: dict[str, Any] = {
             "index": index,
             "delta": message,

@@ -105,19 +105,15 @@ def sampling_options(
     """The engine's options for an OpenAI request: a field left out takes the model's
     recommended default, if any, else OpenAI's (temperature 1.0)."""
     defaults = defaults or SamplingDefaults()
-    temperature = request.temperature
-    if temperature is None:
-        temperature = 1.0 if defaults.temperature is None else defaults.temperature
     values: dict[str, Any] = {
         "n": request.n or 1,
-        "temperature": temperature,
+        "temperature": 1.0,  # OpenAI's
         "detokenize": detokenize,
     }
-    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
-        if getattr(request, name) is None and getattr(defaults, name) is not None:
-            values[name] = getattr(defaults, name)
     for name in (
+        "temperature",
         "top_p",
+        "top_k",
         "seed",
         "presence_penalty",
         "frequency_penalty",
@@ -130,10 +126,10 @@ def sampling_options(
         "cache_salt",
     ):
         value = getattr(request, name)
+        if value is None:
+            value = getattr(defaults, name, None)
         if value is not None:
             values[name] = value
-    if request.top_k is not None:
-        values["top_k"] = request.top_k
     if values.get("top_k") == -1:  # vLLM's -1: no limit
         values["top_k"] = 0
     if request.logit_bias:

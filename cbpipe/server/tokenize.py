@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from cbpipe.server.chat import template_message
+from cbpipe.server.chat import render_conversation
 from cbpipe.server.common import ServerState
 from cbpipe.server.errors import APIError
 from cbpipe.server.schemas import DetokenizeRequest, TokenizeRequest
@@ -27,16 +27,14 @@ async def tokenize(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
         # Off the event loop, as the generation endpoints tokenize.
         if body.messages is not None:
             param = "messages"
-            messages = [template_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)]
-            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             if body.add_special_tokens:
                 raise TextError("add_special_tokens: the chat template writes the special tokens")
-            token_ids = await asyncio.to_thread(
-                state.text.chat_prompt,
-                messages,
+            token_ids = await render_conversation(
+                state.text,
+                body.messages,
+                body.tools,
                 add_generation_prompt=bool(body.add_generation_prompt),
                 continue_final_message=bool(body.continue_final_message),
-                tools=tools,
             )
         else:
             assert body.prompt is not None
