@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -291,9 +292,9 @@ class EngineConfig:
             ),
             (
                 self.server.generation_config in ("auto", "none")
-                or (Path(self.server.generation_config) / "generation_config.json").is_file(),
+                or _holds_generation_config(Path(self.server.generation_config)),
                 "--generation-config must be 'auto', 'none' or a folder holding a "
-                "generation_config.json",
+                "generation_config.json (a JSON object)",
             ),
         ]
         for ok, message in checks:
@@ -322,6 +323,13 @@ class EngineConfig:
             )
         if not self.api_key:
             raise ValueError("--allow-remote needs --api-key (or CBPIPE_API_KEY)")
+
+
+def _holds_generation_config(folder: Path) -> bool:
+    try:
+        return isinstance(json.loads((folder / "generation_config.json").read_text()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 # --- flags from fields ----------------------------------------------------------------------

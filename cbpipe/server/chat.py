@@ -147,6 +147,15 @@ def template_message(message: ChatMessage, where: str) -> dict[str, Any]:
         text = content
     else:
         text = "".join(part.text for part in content)
+    if message.role == "tool" and message.tool_call_id is None:
+        param = f"{where}.tool_call_id"
+        raise APIError(400, f"{param} is required: the call a tool message answers", param=param)
+    if message.tool_call_id is not None and message.role != "tool":
+        param = f"{where}.tool_call_id"
+        raise APIError(400, f"{param} belongs to tool messages only", param=param)
+    if message.tool_calls and message.role != "assistant":
+        param = f"{where}.tool_calls"
+        raise APIError(400, f"{param} belongs to assistant messages only", param=param)
     rendered: dict[str, Any] = {"role": message.role, "content": text}
     if message.name is not None:
         rendered["name"] = message.name

@@ -161,6 +161,13 @@ def test_a_conversation_with_calls_and_their_answers_reaches_the_template(text: 
         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
           "function": {"name": "f", "arguments": "[1]"}}]}]}, True,
          "messages[0].tool_calls[0].function.arguments", "must be a JSON object"),
+        ({"messages": [{"role": "tool", "content": "21 C"}]}, True,
+         "messages[0].tool_call_id", "is required"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, True,
+         "messages[0].tool_call_id", "tool messages only"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c",
+          "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, True,
+         "messages[0].tool_calls", "assistant messages only"),
     ],
 )  # fmt: skip
 def test_tool_requests_cbpipe_cannot_honour_are_400s(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -87,8 +88,10 @@ def test_close_does_not_wait_for_queued_prompts(tokenizer: GatedTokenizer) -> No
     prompts = PromptTokenizer(tokenizer, max_tokens=5)
     for key in range(3):
         prompts.submit(key, "ab")
-    while not tokenizer.threads:  # the first has started, and is stuck behind the gate
-        threading.Event().wait(0.01)
+    deadline = time.monotonic() + WAIT_S
+    while not tokenizer.threads:  # until the first has started, and is stuck behind the gate
+        assert time.monotonic() < deadline, "the tokenizer thread never started"
+        time.sleep(0.01)
     prompts.close()
     assert not tokenizer.gave_up, "close() waited for the prompt being tokenized"
     tokenizer.gate.set()  # it finishes now, with nowhere to report to

@@ -66,3 +66,7 @@ def test_the_flag_is_checked_before_anything_starts(tmp_path: Path) -> None:
         EngineConfig(server=ServerConfig(generation_config=good)).validate()
     with pytest.raises(ValueError, match="--generation-config must be"):
         EngineConfig(server=ServerConfig(generation_config=str(tmp_path / "nowhere"))).validate()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="--generation-config must be"):
+        EngineConfig(server=ServerConfig(generation_config=str(tmp_path / "broken"))).validate()
