@@ -111,6 +111,13 @@
 #   MODELS_TIMEOUT=270     seconds for each of the models part's matrix and tests (the two
 #                          fit one call; ARCH_DTYPES=bfloat16 halves the matrix)
 #   PYTHON=python
+#   BYTECODE=1             0: Python as the host has it. The device's Python may not write
+#                          bytecode (PYTHONDONTWRITEBYTECODE) and its torch ships none, so
+#                          every launch there compiles torch's sources again (4-9 s of each
+#                          start-up), which an installed environment never does (pip writes
+#                          bytecode at install). By default the parts write it under
+#                          /tmp/cbpipe-pycache: a bare machine's first launch pays for it,
+#                          later ones read it, as a user's second launch does
 #   COMPILE_CACHE=         a folder for torch.compile's and Triton's caches (e.g. .compile-cache,
 #                          ignored by git): a compiled start-up that found them warm took 98 s
 #                          against 167 s cold (93 against 158 s in session 5). The device
@@ -124,6 +131,11 @@ set -uo pipefail
 
 OUT=${OUT:-out}  # the device tool sets it; `make gpu-check` writes to ./out
 export PYTHONUNBUFFERED=1
+host_dont_write_bytecode=${PYTHONDONTWRITEBYTECODE-}
+if [ "${BYTECODE:-1}" = 1 ]; then
+    unset PYTHONDONTWRITEBYTECODE
+    export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/cbpipe-pycache}
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/bench.py imports cbpipe
 PY=${PYTHON:-python}
 BENCH_SCALE=${BENCH_SCALE:-1}
@@ -187,6 +199,8 @@ for name in ("zmq", "msgpack", "numpy", "pytest", "fastapi", "uvicorn", "pydanti
     except ImportError:
         print(f"{name} MISSING")
 EOF
+    echo "bytecode: ${PYTHONPYCACHEPREFIX:-as the host has it (BYTECODE=0)}" \
+        "(the host's PYTHONDONTWRITEBYTECODE: ${host_dont_write_bytecode:-unset})"
     if [ -f COMMIT ]; then
         echo "commit $(cat COMMIT) (from COMMIT)"
     elif git rev-parse --verify -q HEAD >/dev/null 2>&1; then
@@ -336,9 +350,10 @@ PYEOF
         # pip-installed environment has its bytecode from the install on).
         for attempt in first second prefix-first prefix-second; do
             section "imports of cbpipe.launcher, $attempt time"
-            prefix=()
+            prefix=(env -u PYTHONPYCACHEPREFIX
+                ${host_dont_write_bytecode:+PYTHONDONTWRITEBYTECODE=$host_dont_write_bytecode})
             [[ $attempt == prefix-* ]] &&
-                prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/cbpipe-pycache)
+                prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/cbpipe-imports-pycache)
             begun=$(date +%s%N)
             ${prefix[@]+"${prefix[@]}"} "$PY" -X importtime -c 'import cbpipe.launcher' \
                 2>"$OUT/importtime.txt"
