@@ -1,0 +1,33 @@
+"""The decode path's compile settings (``cbpipe.worker.compiling``)."""
+
+from __future__ import annotations
+
+import torch
+
+from cbpipe.worker import compiling
+
+
+def _gate_and_residual(
+    up: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    # A decoder layer's element-wise tail in miniature: eager rounds each op's result to the
+    # inputs' dtype, a fused kernel keeps them in float32 unless told otherwise.
+    return (torch.nn.functional.silu(gate) * up + residual) * 1.37
+
+
+def test_compiled_bfloat16_rounds_as_eager_does() -> None:
+    """The prefill runs the compiled layers, and its keys are cached: they must be the ones
+    transformers computes, or greedy replies part from ``generate`` at near-ties."""
+    torch.manual_seed(0)
+    up, gate, residual = (torch.randn(64, 512, dtype=torch.bfloat16) for _ in range(3))
+    eager = _gate_and_residual(up, gate, residual)
+
+    torch._dynamo.reset()
+    compiled = compiling.compile_decode_fn(_gate_and_residual)(up, gate, residual)
+    assert torch.equal(compiled, eager)
+
+    # The check can fail: without the option the fused kernel rounds once, at the end.
+    torch._dynamo.reset()
+    options = compiling._COMPILE_OPTIONS | {"emulate_precision_casts": False}
+    fused = torch.compile(_gate_and_residual, dynamic=True, options=options)(up, gate, residual)
+    assert not torch.equal(fused, eager)
