@@ -26,8 +26,8 @@ from torch.fx.experimental import _config as symbolic_shapes_config
 # fused kernel keeps its intermediates in float32 unless told to round them as eager does.
 # The prefill runs these layers too, so without it a bfloat16 model's prompts were cached
 # with keys other than transformers' own, and greedy replies parted from `generate` at
-# near-ties (20 of 32 whole against 28 with it on the H200, at no measurable cost to the
-# step: docs/PERFORMANCE.md). float32 is untouched.
+# near-ties far more often; the casts cost the step nothing measurable (docs/PERFORMANCE.md).
+# float32 is untouched.
 _COMPILE_OPTIONS = {
     "triton.autotune_pointwise": False,
     "combo_kernels": True,
