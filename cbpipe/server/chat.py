@@ -30,7 +30,7 @@ from cbpipe.server.common import (
 )
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
-from cbpipe.server.schemas import ChatCompletionRequest, ChatMessage, Tool
+from cbpipe.server.schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from cbpipe.server.text import Text, TextError
 from cbpipe.server.tools import StreamedReply, ToolCall, ToolCallParser
 
@@ -44,13 +44,7 @@ async def create_chat_completion(
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     use = tool_use(body, state.tool_parser)
     try:
-        prompt = await render_conversation(
-            state.text,
-            body.messages,
-            body.tools,
-            add_generation_prompt=bool(body.add_generation_prompt),
-            continue_final_message=bool(body.continue_final_message),
-        )
+        prompt = await render_conversation(state.text, body)
     except TextError as exc:
         raise APIError(400, str(exc), param="messages") from None
     limit = body.max_completion_tokens or body.max_tokens or state.defaults.max_tokens
@@ -72,22 +66,19 @@ async def create_chat_completion(
 
 
 async def render_conversation(
-    text: Text,
-    messages: list[ChatMessage],
-    tools: list[Tool] | None,
-    *,
-    add_generation_prompt: bool,
-    continue_final_message: bool,
+    text: Text, request: ChatCompletionRequest | TokenizeRequest
 ) -> list[int]:
-    """The token ids the chat template makes of ``messages`` and ``tools``, rendered off the
-    event loop (a long conversation must not stall the other streams); ``TextError`` for a
-    conversation the template refuses."""
-    rendered = [template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    """The token ids the chat template makes of a request's messages and tools, rendered off
+    the event loop (a long conversation must not stall the other streams); ``TextError`` for
+    a conversation the template refuses."""
+    assert request.messages is not None  # a /tokenize of a prompt never comes here
+    rendered = [template_message(m, f"messages[{i}]") for i, m in enumerate(request.messages)]
+    tools = request.tools
     return await asyncio.to_thread(
         text.chat_prompt,
         rendered,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
+        add_generation_prompt=bool(request.add_generation_prompt),
+        continue_final_message=bool(request.continue_final_message),
         tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
     )
 

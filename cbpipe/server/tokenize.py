@@ -29,13 +29,7 @@ async def tokenize(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
             param = "messages"
             if body.add_special_tokens:
                 raise TextError("add_special_tokens: the chat template writes the special tokens")
-            token_ids = await render_conversation(
-                state.text,
-                body.messages,
-                body.tools,
-                add_generation_prompt=bool(body.add_generation_prompt),
-                continue_final_message=bool(body.continue_final_message),
-            )
+            token_ids = await render_conversation(state.text, body)
         else:
             assert body.prompt is not None
             param = "prompt"
