@@ -14,13 +14,28 @@ Each shape cycles through enough copies of its weight to exceed the L2 cache, as
 a real model do, and the loop is replayed from a CUDA graph so launch overhead does not count.
 
 A split-K Triton kernel for these products was swept against cuBLAS on an H200 (commit
-1215f6b, docs/PERFORMANCE.md) and lost or tied on every one, so the engine keeps cuBLAS.
+1215f6b, docs/PERFORMANCE.md) and lost or tied on every one at batch 32, where they are bound
+by the weight's bytes, so the engine keeps cuBLAS there.
+
+``--candidate`` times a second Triton kernel, written for the rows a large batch brings (the
+1B at 256 rows), where the small products are bound by arithmetic and cuBLAS leaves SMs idle:
+the down product (256 x 8192 by 8192 x 2048) has 16-32 output tiles of the usual sizes for
+132 SMs. The candidate tiles the output in both dimensions and splits K, so a product of few
+output tiles still makes a full wave of programs; its partial sums are reduced in a fixed
+order (the same sums every run). It is swept over tile sizes, splits and pipeline depths at
+each ``--batch`` for q|k|v, o and down, beside cuBLAS and cuBLASLt, and reports the best
+configuration per product. Nothing in the engine uses it unless it wins here.
+``--self-check`` runs it against ``x @ w.T`` at small sizes and exits: on a GPU if there is
+one, else under Triton's CPU interpreter.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -85,13 +100,239 @@ def time_product(
     return statistics.median(samples)
 
 
+# --- the candidate kernel ------------------------------------------------------------------
+
+
+@functools.cache
+def _kernels():  # type: ignore[no-untyped-def]
+    """Compiled lazily: triton reads TRITON_INTERPRET when imported."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tiled_split_k_kernel(
+        x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om, k_per_split,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PARTIAL: tl.constexpr,
+    ):  # fmt: skip
+        # Row tiles vary fastest, so the programs that read one weight tile run together
+        # and the weight comes from DRAM once.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = pid_k * k_per_split + tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # w.T's tile: K down, N across
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, k_per_split, BLOCK_K):
+            x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
+            w = tl.load(w_ptrs, mask=rn[None, :] < N, other=0.0)
+            acc = tl.dot(x, w, acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if PARTIAL:
+            tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+        else:
+            out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def reduce_kernel(
+        part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):  # a fixed order: the same sums every run
+            acc += tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0)
+        out = out_ptr + (offs // N) * stride_om + offs % N
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return triton, tiled_split_k_kernel, reduce_kernel
+
+
+def tiled_split_k_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 64,
+    split_k: int = 4,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """``x @ w.T``: programs over row tiles x column tiles x K ranges.
+
+    With ``reduce=False`` and ``split_k > 1`` it returns the float32 partial sums
+    ``[split_k, rows, out]`` unreduced: what a graph that adds them into its residual itself
+    would take, timed for the bound it sets.
+    """
+    triton, tiled_split_k_kernel, reduce_kernel = _kernels()
+    (m, k), n = x.shape, w.shape[0]
+    if k % (split_k * block_k):
+        raise ValueError(f"K={k} is not a multiple of split_k x block_k = {split_k * block_k}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("x and w need contiguous rows")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    partial = split_k > 1
+    part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    tiled_split_k_kernel[grid](
+        x, w, part, m, n, x.stride(0), w.stride(0), out.stride(0), k // split_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=partial,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if not partial:
+        return out
+    if not reduce:
+        return part
+    block = 1024
+    reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, out, m, n, out.stride(0), SPLIT_K=split_k, BLOCK=block
+    )
+    return out
+
+
+def candidate_configs(rows: int, in_features: int) -> list[dict[str, int]]:
+    """The sweep: tiles that hold at least 64 rows, every split that divides K, and the
+    pipeline depths whose stages fit in shared memory (about 200 KB of the H200's 228)."""
+    configs = []
+    for block_m, block_n, block_k, split_k, num_stages in itertools.product(
+        (64, 128), (64, 128, 256), (64, 128), (1, 2, 4, 8), (3, 4)
+    ):
+        if block_m > max(64, rows) or in_features % (block_k * split_k):
+            continue
+        if num_stages * (block_m + block_n) * block_k * 2 > 200 * 1024:
+            continue
+        configs.append(
+            {
+                "block_m": block_m,
+                "block_n": block_n,
+                "block_k": block_k,
+                "split_k": split_k,
+                "num_warps": 8 if block_m * block_n >= 128 * 128 else 4,
+                "num_stages": num_stages,
+            }
+        )
+    return configs
+
+
+def self_check() -> None:
+    """The candidate against ``x @ w.T`` at sizes the interpreter gets through quickly."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before _kernels() imports triton
+    generator = torch.Generator().manual_seed(0)
+    # rows, out, in, block_m, block_n, block_k, split: ragged row and column tiles, one
+    # split and several, more row tiles than one.
+    cases = [(3, 48, 64, 16, 32, 32, 1), (40, 40, 128, 16, 16, 32, 2), (33, 32, 96, 32, 16, 16, 3)]
+    for m, n, k, block_m, block_n, block_k, split_k in cases:
+        x = torch.randn(m, k, generator=generator).to(device, dtype)
+        w = torch.randn(n, k, generator=generator).to(device, dtype)
+        config = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k)
+        got = tiled_split_k_linear(x, w, num_warps=1, num_stages=1, **config)
+        want = (x.float() @ w.float().T).to(dtype)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        again = tiled_split_k_linear(x, w, num_warps=1, num_stages=1, **config)
+        assert torch.equal(got, again), "split-K sums must not vary between runs"
+        if split_k > 1:
+            part = tiled_split_k_linear(x, w, num_warps=1, num_stages=1, reduce=False, **config)
+            torch.testing.assert_close(part.sum(0).to(dtype), want, rtol=2e-2, atol=2e-2)
+        print(
+            f"ok: {m} x {k} by {n} x {k}, tiles {block_m} x {block_n} x {block_k}, split {split_k}"
+        )
+
+
+def _cublaslt_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, w)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def compare_candidate(
+    shapes: dict[str, tuple[int, int]], rows: int, dtype: torch.dtype, iters: int
+) -> list[dict]:
+    """Best candidate configuration per product at ``rows`` rows, against cuBLAS(Lt)."""
+    print(f"\ntiled split-K Triton candidate against cuBLAS, batch {rows}")
+    print(
+        f"{'product':>8} {'GFLOP':>6} {'cuBLAS us':>9} {'TFLOP/s':>7} {'Lt us':>7} "
+        f"{'cand. us':>8} {'TFLOP/s':>7} {'no reduce':>9}  best configuration"
+    )
+    results = []
+    layer = {"cublas": 0.0, "cublaslt": 0.0, "best": 0.0}
+    for name in ("qkv", "o", "down"):
+        shape = shapes[name]
+        flops = 2 * rows * shape[0] * shape[1]
+        cublas = time_product(rows, shape, dtype, iters)
+        cublaslt = time_product(rows, shape, dtype, iters, _cublaslt_linear)
+        x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
+        w = torch.randn(shape, device="cuda", dtype=dtype) * 0.02
+        want = F.linear(x, w)
+        timed = []
+        for config in candidate_configs(rows, shape[1]):
+            product = functools.partial(tiled_split_k_linear, **config)
+            try:
+                torch.testing.assert_close(product(x, w), want, rtol=2e-2, atol=2e-2)
+            except Exception as exc:  # a configuration Triton cannot build here
+                print(f"  skipped {config}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            seconds = time_product(rows, shape, dtype, max(5, iters // 4), product)
+            timed.append((seconds, config))
+            results.append(
+                {"batch": rows, "product": name, "seconds": seconds, "flops": flops, **config}
+            )
+        timed.sort(key=lambda item: item[0])
+        seconds, config = timed[0]
+        unreduced = time_product(
+            rows, shape, dtype, max(5, iters // 4),
+            functools.partial(tiled_split_k_linear, reduce=False, **config),
+        )  # fmt: skip
+        print(
+            f"{name:>8} {flops / 1e9:>6.2f} {cublas * 1e6:>9.1f} {flops / cublas / 1e12:>7.0f} "
+            f"{cublaslt * 1e6:>7.1f} {seconds * 1e6:>8.1f} {flops / seconds / 1e12:>7.0f} "
+            f"{unreduced * 1e6:>9.1f}  {config}"
+        )
+        for runner_up, runner_config in timed[1:4]:
+            print(f"{'':>60}{runner_up * 1e6:>8.1f} us  {runner_config}")
+        results.append(
+            {"batch": rows, "product": name, "cublas_s": cublas, "cublaslt_s": cublaslt,
+             "best_s": seconds, "best_unreduced_s": unreduced, "best": config}
+        )  # fmt: skip
+        layer["cublas"] += cublas
+        layer["cublaslt"] += cublaslt
+        layer["best"] += min(cublas, cublaslt, seconds)
+    print(
+        f"the three products: cuBLAS {layer['cublas'] * 1e6:.1f} us, cuBLASLt "
+        f"{layer['cublaslt'] * 1e6:.1f} us, the fastest of the three each "
+        f"{layer['best'] * 1e6:.1f} us"
+    )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random:llama-8b")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--candidate", action="store_true", help="also sweep the tiled split-K Triton kernel"
+    )
+    parser.add_argument("--only-candidate", action="store_true", help="the candidate's sweep alone")
+    parser.add_argument("--self-check", action="store_true", help="check the candidate, exit")
     args = parser.parse_args(argv)
+    if args.self_check:
+        self_check()
+        return 0
     if not torch.cuda.is_available():
         print("bench_matmul needs a CUDA device", file=sys.stderr)
         return 2
@@ -108,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{bandwidth / 1e9:.0f} GB/s, torch {torch.__version__}"
     )
     results = []
-    for rows in args.batch:
+    for rows in [] if args.only_candidate else args.batch:
         print(f"\nbatch {rows}")
         print(f"{'product':>8} {'out x in':>14} {'MB':>7} {'us':>8} {'GB/s':>7} {'x copy':>7}")
         times = {}
@@ -142,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{(separate * layers + times['lm_head']) * 1e3:.2f} ms, fused "
             f"{(fused * layers + times['lm_head']) * 1e3:.2f} ms"
         )
+    if args.candidate or args.only_candidate:
+        for rows in args.batch:
+            results.extend(compare_candidate(shapes, rows, dtype, args.iters))
     if args.json:
         with open(args.json, "w") as f:
             summary = {"model": args.model, "copy_bandwidth": bandwidth, "results": results}

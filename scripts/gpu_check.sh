@@ -11,6 +11,9 @@
 #   micro    scripts/bench_attention.py, scripts/bench_matmul.py, one decode step of random:llama-8b at batch 32
 #            (context 4096) eager vs CUDA graph against its bandwidth floor, and one mixed
 #            step of random:llama-1b (decodes + prefill chunks), profiled          (~3 min)
+#   gemm     scripts/bench_matmul.py --only-candidate: the tiled split-K Triton candidate swept
+#            against cuBLAS and cuBLASLt for q|k|v, o and down of GEMM_MODEL at GEMM_BATCH rows
+#            (random:llama-1b at 256: the products bound by arithmetic there)     (~4 min)
 #   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
 #            with and without --fuse-projections                                 (~1 min)
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
@@ -79,6 +82,8 @@
 #                          step1b profiles compiled, after its attention runs (empty: none);
 #                          FLAGS go to profile_step.py, word-split (llama-8b:32:640:--inductor
 #                          combo_kernels=True)
+#   GEMM_MODEL=random:llama-1b GEMM_BATCH=256  the gemm part's shapes and rows (word-split
+#                          batches: "128 256"); GEMM_TIMEOUT=300 seconds for its sweep
 #   STEP1B_ATTENTION=1     0: step1b without its attention kernel runs
 #   BENCH_SCALE=1          divides every benchmark output length (2, 4, ... when time is short)
 #   BENCH_OUTPUT_LEN=1024  output tokens per request in the bench part, before scaling
@@ -268,6 +273,19 @@ if want micro; then
         done
     } 2>&1 | tee "$OUT/micro.log"
     rcs+=("micro=$(grep '^exit code' "$OUT/micro.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want gemm; then
+    {
+        section "tiled split-K candidate, ${GEMM_MODEL:-random:llama-1b}, batch ${GEMM_BATCH:-256}"
+        timeout -k 10 "${GEMM_TIMEOUT:-300}" "$PY" scripts/bench_matmul.py --self-check
+        # shellcheck disable=SC2086  # the batches are word-split on purpose
+        timeout -k 10 "${GEMM_TIMEOUT:-300}" "$PY" scripts/bench_matmul.py --only-candidate \
+            --model "${GEMM_MODEL:-random:llama-1b}" --batch ${GEMM_BATCH:-256} \
+            --json "$OUT/matmul.json"
+        echo "exit code $?"
+    } 2>&1 | tee "$OUT/gemm.log"
+    rcs+=("gemm=$(grep '^exit code' "$OUT/gemm.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want step; then

@@ -1,0 +1,26 @@
+"""The tiled split-K candidate of ``scripts/bench_matmul.py`` computes ``x @ w.T`` (under
+Triton's interpreter on the CPU), so its GPU timings compare like with like."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.unit.triton_interpreter import REPO_ROOT, require_triton
+
+
+def test_candidate_self_check() -> None:
+    require_triton()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_matmul.py", "--self-check"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok:") == 3, proc.stdout
