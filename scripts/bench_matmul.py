@@ -8,7 +8,9 @@ product should take the time to read its weight. For each projection of one deco
 instead (q|k|v in one matrix, gate|up in one), this times ``F.linear`` at each batch size and
 reports the weight bytes read per second against the device's measured copy bandwidth
 (``cbpipe.roofline.copy_bandwidth``, reads plus writes: a product that only reads can pass
-1.0), and the layer's total time separate against fused.
+1.0), and the layer's total time separate against fused. Each product is timed through
+cuBLAS (torch's default for these) and through cuBLASLt (``preferred_blas_library``, whose
+own heuristics may pick other kernels, split-K among them).
 
 Each shape cycles through enough copies of its weight to exceed the L2 cache, as the layers of
 a real model do, and the loop is replayed from a CUDA graph so launch overhead does not count.
@@ -351,16 +353,21 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in [] if args.only_candidate else args.batch:
         print(f"\nbatch {rows}")
-        print(f"{'product':>8} {'out x in':>14} {'MB':>7} {'us':>8} {'GB/s':>7} {'x copy':>7}")
+        print(
+            f"{'product':>8} {'out x in':>14} {'MB':>7} {'us':>8} {'GB/s':>7} {'x copy':>7} "
+            f"{'Lt us':>7} {'x copy':>7}"
+        )
         times = {}
         for name, shape in shapes.items():
             seconds = time_product(rows, shape, dtype, args.iters)
+            lt_seconds = time_product(rows, shape, dtype, args.iters, _cublaslt_linear)
             nbytes = shape[0] * shape[1] * dtype.itemsize
             times[name] = seconds
             rate = nbytes / seconds
             print(
                 f"{name:>8} {shape[0]:>6} x {shape[1]:<6} {nbytes / 2**20:>7.1f} "
-                f"{seconds * 1e6:>8.1f} {rate / 1e9:>7.0f} {rate / bandwidth:>7.2f}"
+                f"{seconds * 1e6:>8.1f} {rate / 1e9:>7.0f} {rate / bandwidth:>7.2f} "
+                f"{lt_seconds * 1e6:>7.1f} {nbytes / lt_seconds / bandwidth:>7.2f}"
             )
             results.append(
                 {
@@ -368,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                     "product": name,
                     "shape": shape,
                     "seconds": seconds,
+                    "cublaslt_seconds": lt_seconds,
                     "bytes": nbytes,
                     "bytes_per_second": rate,
                 }
