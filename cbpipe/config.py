@@ -151,6 +151,12 @@ class WorkerConfig:
         "start-up of a model compiles, later ones read the compile cache "
         "(--no-compile-decode: graphs of the eager forward, a shorter cold start-up)",
     )
+    blas_library: Literal["auto", "cublaslt", "cublas"] = _opt(
+        "auto",
+        "the BLAS library of the matrix products on CUDA; auto is cuBLASLt, whose kernels "
+        "for a decode step's small products need no separate split-K reductions, where this "
+        "torch has it, else cuBLAS",
+    )
     max_graph_batch: int | None = _opt(
         None, "largest decode batch captured in a graph; default: --max-num-seqs"
     )

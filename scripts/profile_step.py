@@ -45,6 +45,7 @@ from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request, RequestStatus
 from cbpipe.worker import attention
+from cbpipe.worker.blas import use_blas_library
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
@@ -88,6 +89,10 @@ def main() -> None:
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-decode", action="store_true")
+    parser.add_argument(
+        "--blas-library", choices=("auto", "cublaslt", "cublas"), default="auto",
+        help="as the launcher's flag: the BLAS library of the products on CUDA",
+    )  # fmt: skip
     parser.add_argument(
         "--prefill-len",
         type=int,
@@ -144,6 +149,7 @@ def main() -> None:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    use_blas_library(args.blas_library, device)
     model, paged = load_paged_model(resolve_model(args.model), device, dtype,
                                     fuse=args.fuse_projections)  # fmt: skip
     bs = args.block_size

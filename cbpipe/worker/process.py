@@ -37,6 +37,7 @@ from cbpipe.protocol.messages import (
 )
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
+from cbpipe.worker.blas import use_blas_library
 from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, ahead_variants, cache_is_cold
 from cbpipe.worker.compile_cache import CACHE_VARIABLES, use_compile_cache
 from cbpipe.worker.cuda_graphs import (
@@ -166,6 +167,7 @@ def _load(
     if cuda:  # nothing is compiled on the CPU (Triton is interpreted there)
         use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
         torch.zeros(1, device=device)  # the context, which the weights would otherwise pay for
+        log.info("matrix products on %s", use_blas_library(config.worker.blas_library, device))
     phases.done("device")
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
     max_batch_tokens = config.scheduler.batch_tokens(memory)
