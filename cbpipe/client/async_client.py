@@ -44,6 +44,7 @@ from cbpipe.protocol.messages import (
     Hello,
     Message,
     Stats,
+    Tokens,
     Welcome,
     encode,
 )
@@ -153,6 +154,10 @@ class AsyncJob:
         change(self._state)
         self._changed.set()
         return self._state.done
+
+    def _add_tokens(self, frame: Tokens, entry: int) -> None:
+        self._state.on_tokens(frame, entry)
+        self._changed.set()
 
 
 class AsyncClient:
@@ -369,6 +374,13 @@ class AsyncClient:
         if job._update(change):
             del self._jobs[request_id]
         return True
+
+    def on_tokens(self, message: Tokens) -> None:
+        jobs = self._jobs
+        for entry, request_id in enumerate(message.request_ids):
+            job = jobs.get(request_id)
+            if job is not None:
+                job._add_tokens(message, entry)
 
     def _fail_all(self, error: EngineError) -> None:
         if self._failure is None and not self._closing:

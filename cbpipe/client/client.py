@@ -42,6 +42,7 @@ from cbpipe.protocol.messages import (
     Hello,
     Message,
     Stats,
+    Tokens,
     Welcome,
     encode,
 )
@@ -117,6 +118,11 @@ class Job:
             change(self._state)
             self._changed.notify_all()
             return self._state.done
+
+    def _add_tokens(self, frame: Tokens, entry: int) -> None:
+        with self._changed:
+            self._state.on_tokens(frame, entry)
+            self._changed.notify_all()
 
 
 class Client:
@@ -325,6 +331,13 @@ class Client:
             with self._jobs_lock:
                 self._jobs.pop(request_id, None)
         return True
+
+    def on_tokens(self, message: Tokens) -> None:
+        with self._jobs_lock:
+            jobs = [self._jobs.get(request_id) for request_id in message.request_ids]
+        for entry, job in enumerate(jobs):
+            if job is not None:
+                job._add_tokens(message, entry)
 
     def _fail_all(self, error: EngineError) -> None:
         with self._jobs_lock:
