@@ -144,6 +144,31 @@ def test_deltas_stream_and_results_of_several_samples(tmp_path: Path) -> None:
     run_with_engine(tmp_path, test)
 
 
+def test_one_frame_moves_several_jobs_and_skips_a_finished_one(tmp_path: Path) -> None:
+    async def test(engine: FakeEngine, address: str) -> None:
+        client = await AsyncClient.connect(address)
+        first, second, done = (client.submit([1], max_new_tokens=3) for _ in range(3))
+        for _ in range(3):
+            await engine.next(Submit)
+        await engine.send(Finished(done.request_id, "stop", None, 1))
+        assert (await done.result()).finish_reason == "stop"
+        waiting = asyncio.ensure_future(anext(second.stream()))  # woken by the shared frame
+        # One step's frame: a finished job's entry among them (a cancel that crossed it)
+        # is dropped, and each live job gets its own entry.
+        await engine.send(
+            Tokens([first.request_id, done.request_id, second.request_id], [[4], [9], [5, 6]])
+        )
+        assert await asyncio.wait_for(waiting, WAIT_S) == 5
+        for job in (first, second):
+            await engine.send(Finished(job.request_id, "length", None, 1))
+        assert (await first.result()).token_ids == [4]
+        assert (await second.result()).token_ids == [5, 6]
+        assert (await done.result()).token_ids == []
+        await client.close()
+
+    run_with_engine(tmp_path, test)
+
+
 def test_readers_in_several_tasks_see_the_same_stream(tmp_path: Path) -> None:
     async def test(engine: FakeEngine, address: str) -> None:
         async with AsyncClient(address) as client:
