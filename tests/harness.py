@@ -27,6 +27,7 @@ from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 from cbpipe.worker import attention
+from cbpipe.worker.blas import BlasLibrary, use_blas_library
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import allocate_kv_cache, load_model, load_paged_model
 from cbpipe.worker.runner import LaunchedStep, StepRunner
@@ -115,11 +116,14 @@ class InProcessEngine:
     steps_in_flight: int = 3  # in async mode, as the engine's default
     prefix_caching: bool = True  # as the engine's default
     full_sampling_graphs: bool = True
+    # As the worker's --blas-library: set for this whole process, the reference's products too.
+    blas_library: BlasLibrary = "auto"
     before_sampler_compiles: Callable[[], None] | None = None
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
     def __post_init__(self) -> None:
+        use_blas_library(self.blas_library, self.device)
         model, paged = paged_model(self.model_name, self.device, self.dtype, self.fuse_projections)
         limits = SlotLimits(
             self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
