@@ -132,6 +132,11 @@ def main() -> None:
         help="print torch.profiler's top operators (default: with one sampling preset)",
     )
     parser.add_argument(
+        "--profile-rows", type=int, default=25,
+        help="rows of the profile's table (enough to reach the kernels that run once a step, "
+        "outside the layers)",
+    )  # fmt: skip
+    parser.add_argument(
         "--inductor",
         action="append",
         default=[],
@@ -326,7 +331,7 @@ def _time_step(
     with torch.profiler.profile(activities=activities) as prof:
         run(5)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25))
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows))
 
 
 if __name__ == "__main__":
