@@ -1,5 +1,6 @@
 """The decode forward compiled a layer at a time: one graph for every layer, each layer still
-reading its own weights and KV cache, and the eager model untouched."""
+reading its own weights and KV cache, the layers' siblings (the final norm, the rotary
+tables) a graph each, the embedding and the head eager, and the eager model untouched."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class _CacheReadingStep:
 
 
 def test_one_graph_serves_every_layer_with_its_own_cache() -> None:
+    """Three graphs: the layers' one, the final norm's and the rotary tables'."""
     torch._dynamo.reset()
     counters.clear()
     model, attention = load_paged_model(
@@ -46,10 +48,25 @@ def test_one_graph_serves_every_layer_with_its_own_cache() -> None:
             with attention.binding.bind(_CacheReadingStep()):
                 compiled = _forward(decode, n)
             torch.testing.assert_close(compiled, eager)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
     # The eager model kept its own layers; the decode forward shares their weights.
     assert not any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
     assert {p.data_ptr() for p in decode.parameters()} == {p.data_ptr() for p in model.parameters()}
+
+
+def test_the_layers_and_their_siblings_compile_but_not_the_embedding_or_head() -> None:
+    model, _ = load_paged_model(
+        ModelSource("tiny", None, LlamaConfig(**CONFIG)), torch.device("cpu"), torch.float32
+    )
+    compiled: list[torch.nn.Module] = []
+
+    def wrap(module: torch.nn.Module) -> torch.nn.Module:
+        compiled.append(module)
+        return torch.nn.Sequential(module)  # a new module, as torch.compile's wrapper is
+
+    compile_layers(model, wrap)
+    inner = model.model
+    assert compiled == [*inner.layers, inner.norm, inner.rotary_emb]
 
 
 def test_a_model_that_names_no_layer_class_is_compiled_whole() -> None:
