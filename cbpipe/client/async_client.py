@@ -105,17 +105,18 @@ class AsyncJob:
         while True:
             try:
                 async with asyncio.timeout(timeout):
-                    while len(state.deltas) == seen and not state.done:
+                    while state.num_deltas == seen and not state.done:
                         await self._wait()
             except TimeoutError:
                 raise TimeoutError(f"job {self.request_id}: nothing new for {timeout} s") from None
-            new, seen = state.deltas[seen:], len(state.deltas)
+            new = state.deltas(seen)
+            seen += len(new)
             error, over = state.error, state.done
             if new:
                 yield new
             if error is not None:
                 raise error
-            if over and seen == len(state.deltas):
+            if over and seen == state.num_deltas:
                 return
 
     async def deltas(self, timeout: float | None = None) -> AsyncIterator[Delta]:

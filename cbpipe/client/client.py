@@ -94,12 +94,13 @@ class Job:
                 ready = self._changed.wait_for(state.has_news_after(seen), timeout)
                 if not ready:
                     raise TimeoutError(f"job {self.request_id}: nothing new for {timeout} s")
-                new, seen = state.deltas[seen:], len(state.deltas)
+                new = state.deltas(seen)
+                seen += len(new)
                 error, over = state.error, state.done
             yield from new
             if error is not None:
                 raise error
-            if over and seen == len(state.deltas):
+            if over and seen == state.num_deltas:
                 return
 
     def stream(self, timeout: float | None = None) -> Iterator[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypedDict
@@ -186,9 +187,8 @@ class Delta(NamedTuple):
     """What one step added to one sample of a job; the last delta of a sample has its
     ``finish_reason`` (and may add no tokens).
 
-    A named tuple, immutable like a frozen dataclass (readers of one job share its deltas)
-    but several times cheaper to make: a client makes one per job per step, on the thread
-    that must keep up with the engine.
+    Made for a reader when it asks (``JobState.deltas``), from the job's own lists: the job
+    keeps only a plain tuple of positions per step (``JobState``).
     """
 
     # The sample's index shadows tuple.index, which nothing calls on a delta.
@@ -235,6 +235,10 @@ class _Sample:
     result: Result | None = None
 
 
+# A delta in ``JobState._marks``: sample index, token start and stop, text and finish reason.
+_MARK = struct.Struct("=5q")
+
+
 class JobState:
     """Everything known of one job of ``n`` samples. Not thread-safe: the owner locks."""
 
@@ -242,7 +246,16 @@ class JobState:
         self.request_id = request_id
         self.params = params
         self.samples = [_Sample() for _ in range(params.n)]
-        self.deltas: list[Delta] = []  # in arrival order; readers keep a cursor
+        # What each step added, in arrival order: a ``_MARK`` a delta (its sample, the start
+        # and stop of its tokens in the sample's lists, its text's and finish reason's places
+        # in the lists below, -1 for none); readers keep a cursor and get ``Delta``s made
+        # from them. Bytes are nothing the garbage collector visits: an object kept per job
+        # per step (a delta with its token list, even a plain tuple) made the client's full
+        # collections grow with every step, pauses of tens of milliseconds at 256 jobs on the
+        # thread that must keep up with the engine (docs/PERFORMANCE.md).
+        self._marks = bytearray()
+        self._texts: list[str] = []  # the deltas' texts that are not empty
+        self._finish_reasons: list[str] = []
         self.prompt_logprobs: PromptLogprob | None = None
         self.error: Exception | None = None
 
@@ -250,27 +263,51 @@ class JobState:
     def done(self) -> bool:
         return self.error is not None or all(s.result is not None for s in self.samples)
 
+    @property
+    def num_deltas(self) -> int:
+        return len(self._marks) // _MARK.size
+
     def has_news_after(self, seen: int) -> Callable[[], bool]:
         """A predicate: a delta past the first ``seen`` arrived, or the job is over."""
-        return lambda: len(self.deltas) > seen or self.done
+        return lambda: self.num_deltas > seen or self.done
+
+    def deltas(self, start: int = 0) -> list[Delta]:
+        """The deltas past the first ``start``, in arrival order."""
+        marks = self._marks[start * _MARK.size :]
+        return [self._delta(*mark) for mark in _MARK.iter_unpack(marks)]
+
+    def _delta(self, index: int, start: int, stop: int, text: int, finish: int) -> Delta:
+        if finish >= 0:
+            return Delta(index, [], "", finish_reason=self._finish_reasons[finish])
+        sample, logprobs = self.samples[index], self.params.logprobs
+        return Delta(
+            index,
+            sample.token_ids[start:stop],
+            self._texts[text] if text >= 0 else "",
+            sample.logprobs[start:stop] if logprobs is not None else None,
+            sample.top_logprobs[start:stop] if logprobs else None,
+        )
 
     def on_tokens(self, frame: Tokens, entry: int) -> None:
         index = frame.indices[entry] if frame.indices is not None else 0
         token_ids = frame.token_ids[entry]
         sample = self.samples[index]
+        start = len(sample.token_ids)
         sample.token_ids.extend(token_ids)
-        logprobs = top = None
+        # A job that asked for log-probabilities gets them in every frame that moves it, so
+        # its lists stay in step with its tokens and a delta's positions index all three.
         if frame.logprobs is not None and self.params.logprobs is not None:
-            logprobs = frame.logprobs[entry]
-            sample.logprobs.extend(logprobs)
+            sample.logprobs.extend(frame.logprobs[entry])
         if frame.top_ids is not None and frame.top_logprobs is not None and self.params.logprobs:
-            top = [
+            sample.top_logprobs.extend(
                 list(zip(ids, lps, strict=True))
                 for ids, lps in zip(frame.top_ids[entry], frame.top_logprobs[entry], strict=True)
-            ]
-            sample.top_logprobs.extend(top)
-        text = frame.texts[entry] if frame.texts is not None else ""
-        self.deltas.append(Delta(index, token_ids, text, logprobs, top))
+            )
+        text = -1
+        if frame.texts is not None and frame.texts[entry]:
+            text = len(self._texts)
+            self._texts.append(frame.texts[entry])
+        self._marks += _MARK.pack(index, start, start + len(token_ids), text, -1)
 
     def on_prompt_logprobs(self, message: PromptLogprobs) -> None:
         def top(i: int) -> TopLogprobs:
@@ -299,7 +336,9 @@ class JobState:
             queue_time_s=message.queue_time_s,
             num_cached_tokens=message.num_cached_tokens,
         )
-        self.deltas.append(Delta(message.index, [], "", finish_reason=message.finish_reason))
+        end = len(sample.token_ids)
+        self._marks += _MARK.pack(message.index, end, end, -1, len(self._finish_reasons))
+        self._finish_reasons.append(message.finish_reason)
 
     def on_error(self, error: Exception) -> bool:
         """Fail the job unless it is over; whether it was failed."""
