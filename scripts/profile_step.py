@@ -45,7 +45,9 @@ from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request, RequestStatus
 from cbpipe.worker import attention
+from cbpipe.worker import runner as runner_module
 from cbpipe.worker.blas import use_blas_library
+from cbpipe.worker.compiled_layers import compile_layers
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
@@ -89,6 +91,11 @@ def main() -> None:
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-decode", action="store_true")
+    parser.add_argument(
+        "--compile-siblings", action=argparse.BooleanOptionalAction, default=True,
+        help="with --compile-decode, compile the layers' siblings too (the final norm, the "
+        "rotary tables), as the worker does; --no-compile-siblings: the layers alone",
+    )  # fmt: skip
     parser.add_argument(
         "--blas-library", choices=("auto", "cublaslt", "cublas"), default="auto",
         help="as the launcher's flag: the BLAS library of the products on CUDA",
@@ -152,6 +159,8 @@ def main() -> None:
     for option in args.inductor:
         _set_inductor_option(parser, option)
 
+    if not args.compile_siblings:  # the runner's own reference, for this process only
+        runner_module.compile_layers = functools.partial(compile_layers, siblings=False)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     use_blas_library(args.blas_library, device)

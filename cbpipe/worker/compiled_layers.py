@@ -26,9 +26,12 @@ import torch
 ModuleCompiler = Callable[[torch.nn.Module], torch.nn.Module]
 
 
-def compile_layers(model: torch.nn.Module, compile_module: ModuleCompiler) -> torch.nn.Module:
+def compile_layers(
+    model: torch.nn.Module, compile_module: ModuleCompiler, *, siblings: bool = True
+) -> torch.nn.Module:
     """A forward of ``model`` in which each decoder layer, and each of their siblings but the
-    embeddings, runs ``compile_module(module)``.
+    embeddings (unless ``siblings`` is false: ``profile_step.py``'s comparison), runs
+    ``compile_module(module)``.
 
     ``model`` itself is untouched (prefill steps run it eagerly): the result is a shallow copy
     of the module tree down to the compiled modules, sharing every parameter and buffer. A
@@ -44,7 +47,7 @@ def compile_layers(model: torch.nn.Module, compile_module: ModuleCompiler) -> to
     def rebuilt(module: torch.nn.Module) -> torch.nn.Module:
         if type(module).__name__ in layer_classes:
             return compile_module(module)
-        decoder = any(is_layer_list(child) for child in module._modules.values())
+        decoder = siblings and any(is_layer_list(c) for c in module._modules.values())
         children = {
             name: child
             if child is None

@@ -67,6 +67,9 @@ def test_the_layers_and_their_siblings_compile_but_not_the_embedding_or_head() -
     compile_layers(model, wrap)
     inner = model.model
     assert compiled == [*inner.layers, inner.norm, inner.rotary_emb]
+    compiled.clear()
+    compile_layers(model, wrap, siblings=False)
+    assert compiled == [*inner.layers]
 
 
 def test_a_model_that_names_no_layer_class_is_compiled_whole() -> None:
