@@ -188,7 +188,7 @@ class Delta(NamedTuple):
     ``finish_reason`` (and may add no tokens).
 
     Made for a reader when it asks (``JobState.deltas``), from the job's own lists: the job
-    keeps only a plain tuple of positions per step (``JobState``).
+    keeps only a few numbers per step (``JobState``).
     """
 
     # The sample's index shadows tuple.index, which nothing calls on a delta.
@@ -235,7 +235,8 @@ class _Sample:
     result: Result | None = None
 
 
-# A delta in ``JobState._marks``: sample index, token start and stop, text and finish reason.
+# A delta in ``JobState._marks``: sample index, token start and stop, its text's place in
+# ``JobState._texts`` (-1: none), and 1 for a sample's last delta (its finish), else 0.
 _MARK = struct.Struct("=5q")
 
 
@@ -246,16 +247,14 @@ class JobState:
         self.request_id = request_id
         self.params = params
         self.samples = [_Sample() for _ in range(params.n)]
-        # What each step added, in arrival order: a ``_MARK`` a delta (its sample, the start
-        # and stop of its tokens in the sample's lists, its text's and finish reason's places
-        # in the lists below, -1 for none); readers keep a cursor and get ``Delta``s made
-        # from them. Bytes are nothing the garbage collector visits: an object kept per job
-        # per step (a delta with its token list, even a plain tuple) made the client's full
-        # collections grow with every step, pauses of tens of milliseconds at 256 jobs on the
-        # thread that must keep up with the engine (docs/PERFORMANCE.md).
+        # What each step added, in arrival order, a ``_MARK`` a delta over the sample's lists;
+        # readers keep a cursor and get ``Delta``s made from them. Bytes are nothing the
+        # garbage collector visits: an object kept per job per step (a delta with its token
+        # list, even a plain tuple) made the client's full collections grow with every step,
+        # pauses of tens of milliseconds at 256 jobs on the thread that must keep up with the
+        # engine (docs/PERFORMANCE.md).
         self._marks = bytearray()
         self._texts: list[str] = []  # the deltas' texts that are not empty
-        self._finish_reasons: list[str] = []
         self.prompt_logprobs: PromptLogprob | None = None
         self.error: Exception | None = None
 
@@ -277,9 +276,10 @@ class JobState:
         return [self._delta(*mark) for mark in _MARK.iter_unpack(marks)]
 
     def _delta(self, index: int, start: int, stop: int, text: int, finish: int) -> Delta:
-        if finish >= 0:
-            return Delta(index, [], "", finish_reason=self._finish_reasons[finish])
         sample, logprobs = self.samples[index], self.params.logprobs
+        if finish:
+            assert sample.result is not None
+            return Delta(index, [], "", finish_reason=sample.result.finish_reason)
         return Delta(
             index,
             sample.token_ids[start:stop],
@@ -307,7 +307,7 @@ class JobState:
         if frame.texts is not None and frame.texts[entry]:
             text = len(self._texts)
             self._texts.append(frame.texts[entry])
-        self._marks += _MARK.pack(index, start, start + len(token_ids), text, -1)
+        self._marks += _MARK.pack(index, start, start + len(token_ids), text, 0)
 
     def on_prompt_logprobs(self, message: PromptLogprobs) -> None:
         def top(i: int) -> TopLogprobs:
@@ -337,8 +337,7 @@ class JobState:
             num_cached_tokens=message.num_cached_tokens,
         )
         end = len(sample.token_ids)
-        self._marks += _MARK.pack(message.index, end, end, -1, len(self._finish_reasons))
-        self._finish_reasons.append(message.finish_reason)
+        self._marks += _MARK.pack(message.index, end, end, -1, 1)
 
     def on_error(self, error: Exception) -> bool:
         """Fail the job unless it is over; whether it was failed."""

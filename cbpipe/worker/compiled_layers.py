@@ -48,12 +48,14 @@ def compile_layers(
         if type(module).__name__ in layer_classes:
             return compile_module(module)
         decoder = siblings and any(is_layer_list(c) for c in module._modules.values())
+
+        def replaced(child: torch.nn.Module) -> torch.nn.Module:
+            if decoder and _runs_once_a_step(child):
+                return compile_module(child)
+            return rebuilt(child)  # the layer list among them
+
         children = {
-            name: child
-            if child is None
-            else compile_module(child)
-            if decoder and _runs_once_a_step(child) and not is_layer_list(child)
-            else rebuilt(child)
+            name: child if child is None else replaced(child)
             for name, child in module._modules.items()
         }
         if all(children[name] is child for name, child in module._modules.items()):
@@ -68,7 +70,8 @@ def compile_layers(
 
 def _runs_once_a_step(module: torch.nn.Module) -> bool:
     """Whether a sibling of the layers is worth a graph of its own: not an embedding (one
-    gather, and the prefill's token lookups share it), not a container, and holding work."""
+    gather, and the prefill's token lookups share it), not a container (the layer list is
+    one), and holding work."""
     if isinstance(module, torch.nn.Embedding | torch.nn.ModuleList | torch.nn.ModuleDict):
         return False
     return not isinstance(module, torch.nn.Dropout | torch.nn.Identity)
