@@ -31,6 +31,7 @@ from cbpipe.worker.blas import BlasLibrary, use_blas_library
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import allocate_kv_cache, load_model, load_paged_model
 from cbpipe.worker.runner import LaunchedStep, StepRunner
+from cbpipe.worker.saved_traces import SavedTraces
 
 CPU = torch.device("cpu")
 
@@ -119,6 +120,7 @@ class InProcessEngine:
     # As the worker's --blas-library: set for this whole process, the reference's products too.
     blas_library: BlasLibrary = "auto"
     before_sampler_compiles: Callable[[], None] | None = None
+    saved_traces: SavedTraces | None = None
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
 
@@ -154,6 +156,7 @@ class InProcessEngine:
             compile_decode=self.compile_decode,
             full_sampling_graphs=self.full_sampling_graphs,
             before_sampler_compiles=self.before_sampler_compiles,
+            saved_traces=self.saved_traces,
         )
 
     def close(self) -> None:

@@ -9,12 +9,13 @@ processes first thing (before it has a CUDA context, which a forked child could 
 and once its KV cache is allocated (their device memory must not shrink it) sends each a
 share of the variants and the shapes. Each runs ``StepSampling.sample_decode_rows`` on a
 device slot of the same layout at the worker's first batch, which writes inductor's and
-Triton's on-disk caches. The worker's own first run of each variant, after its forward has
-compiled, then loads what they wrote instead of compiling it.
+Triton's on-disk caches and saves each sampler's whole trace (``saved_traces.py``). The
+worker's own first run of each variant, after its forward has compiled, then loads what they
+wrote instead of compiling it.
 
-On a warm cache the worker stops them at once: they would load what it loads itself. A
-process that fails or is late costs nothing but its work: the worker compiles what it finds
-missing, as it would without them.
+On a warm cache with every trace saved the worker stops them at once: they would load what it
+loads itself. A process that fails or is late costs nothing but its work: the worker compiles
+what it finds missing, as it would without them.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from cbpipe.lifetime import end_with_parent, fork_is_safe
 from cbpipe.logs import setup_logging
 from cbpipe.protocol.slots import REGIONS, SlotLayout, SlotLimits
 from cbpipe.worker.compiling import decode_compile_settings
-from cbpipe.worker.cuda_graphs import FULL_VARIANTS, RANDOM, GraphVariant
+from cbpipe.worker.cuda_graphs import FULL_VARIANTS, GREEDY, RANDOM, GraphVariant
 from cbpipe.worker.sampling_state import SamplingState
-from cbpipe.worker.step_sampling import StepSampling, device_slot, real_rows
+from cbpipe.worker.saved_traces import SavedTraces
+from cbpipe.worker.step_sampling import SAVED_SAMPLERS, StepSampling, device_slot, real_rows
 
 log = logging.getLogger("cbpipe.worker")
 
@@ -64,6 +66,7 @@ class CompileJob:
     first_batch: int
     cache_env: dict[str, str]  # the worker's compile-cache variables
     log_level: str
+    traces_folder: str | None = None  # where the samplers' traces are saved (``SavedTraces``)
     compile_threads: int = 1  # inductor's compile pool in each process
 
     @property
@@ -86,12 +89,12 @@ class CompileJob:
 
 
 def ahead_variants(full_sampling: bool) -> tuple[GraphVariant, ...]:
-    """The variants whose samplers compile ahead: all but greedy, whose sampler is one op
-    (its first run is the forward's compile, which needs the model), and but the full
-    sampler's variants with alternatives, which take them after the compiled sampler of
-    their twin without (``StepSampling.sample_full``)."""
+    """The variants whose samplers compile ahead: all but the full sampler's variants with
+    alternatives, which take them after the compiled sampler of their twin without
+    (``StepSampling.sample_full``). Greedy's sampler is one op, whose compile is part of the
+    forward's in the worker; it is here to have its trace saved."""
     full = [v for v in FULL_VARIANTS if not v.top_logprobs] if full_sampling else []
-    return (RANDOM, *full)
+    return (RANDOM, *full, GREEDY)
 
 
 def shares(variants: tuple[GraphVariant, ...], count: int) -> list[tuple[GraphVariant, ...]]:
@@ -229,7 +232,8 @@ def compile_variants(job: CompileJob) -> None:
     max_seqs = layout.limits.max_seqs
     slot = device_slot(layout, device)
     state = SamplingState.allocate(max_seqs, job.vocab, device)
-    sampling = StepSampling(state, max_seqs, device, compiled=True)
+    saved = None if job.traces_folder is None else SavedTraces(Path(job.traces_folder), writes=True)
+    sampling = StepSampling(state, max_seqs, device, compiled=True, saved=saved)
     row_ids = torch.arange(max_seqs, device=device)
     for variant in job.variants:
         started = time.perf_counter()
@@ -244,6 +248,16 @@ def compile_variants(job: CompileJob) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         log.debug("compiled %s ahead in %.1f s", variant.label, time.perf_counter() - started)
+
+
+def needs_compiling(traces_folder: str | None) -> bool:
+    """Whether the processes have work: inductor's cache is cold, or a sampler's trace has
+    not been saved yet."""
+    if cache_is_cold():
+        return True
+    return traces_folder is not None and bool(
+        SavedTraces(Path(traces_folder)).missing(SAVED_SAMPLERS)
+    )
 
 
 def cache_is_cold() -> bool:

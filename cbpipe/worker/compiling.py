@@ -35,10 +35,11 @@ _COMPILE_OPTIONS = {
 }
 
 
-def compile_decode_fn(fn: Callable) -> Callable:
+def compile_decode_fn(fn: Callable, *, fullgraph: bool = False) -> Callable:
     """``fn`` through ``torch.compile``: dynamic shapes, element-wise tiles not timed,
-    independent element-wise kernels combined, eager's low-precision rounding kept."""
-    return torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS)
+    independent element-wise kernels combined, eager's low-precision rounding kept.
+    ``fullgraph``: one graph or an error (what ``aot_compile`` needs)."""
+    return torch.compile(fn, dynamic=True, fullgraph=fullgraph, options=_COMPILE_OPTIONS)
 
 
 @contextlib.contextmanager

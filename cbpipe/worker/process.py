@@ -38,7 +38,7 @@ from cbpipe.protocol.messages import (
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
 from cbpipe.worker.blas import use_blas_library
-from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, ahead_variants, cache_is_cold
+from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, ahead_variants, needs_compiling
 from cbpipe.worker.compile_cache import CACHE_VARIABLES, use_compile_cache
 from cbpipe.worker.cuda_graphs import (
     bucket_sizes,
@@ -55,6 +55,7 @@ from cbpipe.worker.model_loader import (
 )
 from cbpipe.worker.runner import LaunchedStep, StepRunner, logits_width
 from cbpipe.worker.sampling_state import SamplingState
+from cbpipe.worker.saved_traces import SavedTraces, traces_are_supported
 from cbpipe.worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger("cbpipe.worker")
@@ -136,13 +137,14 @@ def _fork_compile_ahead(spec: RunSpec) -> CompileAhead | None:
 def _start_compile_ahead(
     ahead: CompileAhead, job: CompileJob, device: torch.device, runner_compiles: bool
 ) -> None:
-    """Give ``ahead`` its job where it helps: a cold cache, a compiled decode path, and room
+    """Give ``ahead`` its job where it helps: a cold cache or a sampler's trace not saved yet,
+    a compiled decode path, and room
     on the device for the processes with as much again to spare (the KV cache is sized
     already: what is left is the worker's own working room), as many processes as there is
     room for. Else stop them."""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     room = job.processes_with_room(free, len(ahead))
-    if runner_compiles and cache_is_cold() and room:
+    if runner_compiles and needs_compiling(job.traces_folder) and room:
         ahead.start(job, processes=room)
     else:
         ahead.stop()
@@ -164,8 +166,11 @@ def _load(
     tp = TensorParallel() if rendezvous is None else TensorParallel.join(rendezvous, rank, device)
     source = resolve_model(config.model.model, config.model.revision)
     cuda = device.type == "cuda"
+    traces: SavedTraces | None = None
     if cuda:  # nothing is compiled on the CPU (Triton is interpreted there)
-        use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
+        cache = use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
+        if cache is not None and traces_are_supported():
+            traces = SavedTraces(cache / "traces")
         torch.zeros(1, device=device)  # the context, which the weights would otherwise pay for
         log.info("matrix products on %s", use_blas_library(config.worker.blas_library, device))
     phases.done("device")
@@ -216,6 +221,7 @@ def _load(
             first_batch=tuning_batch(compiled_bucket_sizes(graph_sizes or [1])),
             cache_env={v: os.environ[v] for v in CACHE_VARIABLES.values() if v in os.environ},
             log_level=config.log_level,
+            traces_folder=None if traces is None else str(traces.folder),
         )
         runner_compiles = compile_decode and capture_blocker(model) is None
         _start_compile_ahead(ahead, job, device, runner_compiles)
@@ -234,6 +240,7 @@ def _load(
         sampling_state=state,
         writes_outputs=tp.rank == 0,
         before_sampler_compiles=None if ahead is None else ahead.wait,
+        saved_traces=traces,
         max_batch_tokens=max_batch_tokens,
     )
     phases.done("runner set-up", parts=runner.startup_seconds)

@@ -71,6 +71,7 @@ from cbpipe.worker.cuda_graphs import (
 )
 from cbpipe.worker.sampler import prompt_logprobs
 from cbpipe.worker.sampling_state import SamplingState
+from cbpipe.worker.saved_traces import SavedTraces
 from cbpipe.worker.step_sampling import DeviceSlot, StepSampling, device_slot, real_rows
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ class StepRunner:
         full_sampling_graphs: bool = True,
         writes_outputs: bool = True,
         before_sampler_compiles: Callable[[], None] | None = None,
+        saved_traces: SavedTraces | None = None,
         max_batch_tokens: int | None = None,
     ) -> None:
         """``attention``: the model's layers as the load-time probe found them, and the binding
@@ -225,6 +227,7 @@ class StepRunner:
         the carry-over) and keep them on the device.
         ``before_sampler_compiles``: called once the compiled forward has run, before the
         samplers' first runs (the worker waits there for the samplers compiled ahead).
+        ``saved_traces``: where the compiled samplers' saved traces are loaded from.
         ``max_batch_tokens``: the scheduler's per-step token budget, which the warm-up's
         prefills reach (default: the slots' capacity).
         """
@@ -276,7 +279,9 @@ class StepRunner:
             )
         max_seqs = layout.limits.max_seqs
         # Sampling too compiles in graphs (every variant at capture), never in eager steps.
-        self.sampling = StepSampling(sampling_state, max_seqs, device, compiled=compile_decode)
+        self.sampling = StepSampling(
+            sampling_state, max_seqs, device, compiled=compile_decode, saved=saved_traces
+        )
         self._row_ids = torch.arange(max_seqs, device=device)
         self._last_slot: int | None = None
         self.graphs = DecodeGraphs()
@@ -445,9 +450,11 @@ class StepRunner:
         """How long the first run of each variant took (its compile), and how many graphs
         dynamo compiled in all: more than at the first runs means a bucket recompiled."""
         each = ", ".join(f"{v.label} {s:.1f}" for v, s in self.graphs.first_run_s.items())
+        loaded = self.sampling.loaded_traces()
         return (
             f", compiling their forward and samplers {self.startup_seconds['compile']:.1f} s of it "
-            f"({each}), {dynamo_graphs() - compiles_before} dynamo graphs"
+            f"({each}), {dynamo_graphs() - compiles_before} dynamo graphs, "
+            f"saved sampler traces loaded: {', '.join(loaded) or 'none'}"
         )
 
     def _event(self, timing: bool = False) -> torch.cuda.Event | None:

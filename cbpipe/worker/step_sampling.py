@@ -39,6 +39,7 @@ from cbpipe.worker.sampler import (
     top_alternatives,
 )
 from cbpipe.worker.sampling_state import SamplingState
+from cbpipe.worker.saved_traces import SavedTrace, SavedTraces
 
 _NUM_SEQS = HEADER_FIELDS.index("num_seqs")
 
@@ -94,20 +95,54 @@ def typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Reg
     return layout.views(cls, tensor)
 
 
+# The saved trace (``saved_traces.py``) of each sampling variant's compiled sampler: greedy and
+# temperature are two specialisations of ``sample``; top-k/top-p's full sampler breaks its
+# graph on purpose (``sampler._apply_top_k_top_p``), and only whole graphs can be saved.
+_SAMPLE_TRACES = {SamplingMode.GREEDY: "greedy", SamplingMode.RANDOM: "temperature"}
+_FULL_TRACES = {False: "full", True: None}
+SAVED_SAMPLERS = (*_SAMPLE_TRACES.values(), "full")
+
+
 class StepSampling:
     def __init__(
-        self, state: SamplingState, max_seqs: int, device: torch.device, *, compiled: bool
+        self,
+        state: SamplingState,
+        max_seqs: int,
+        device: torch.device,
+        *,
+        compiled: bool,
+        saved: SavedTraces | None = None,
     ) -> None:
         """``compiled``: decode graphs sample through ``torch.compile``d samplers, whose
-        reductions over the vocabulary fuse into a kernel or two (eager steps never do)."""
+        reductions over the vocabulary fuse into a kernel or two (eager steps never do).
+        ``saved``: where those samplers' traces are loaded from (or saved to, by a writer)."""
         self.state = state
         # The sampled ids of the step launched last; the next step's carry-over reads them,
         # ordered after the write by the compute stream.
         self.last_sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self._graph_sample: Sampler = compile_decode_fn(sample) if compiled else sample
-        self._graph_sample_full: FullSampler = (
-            compile_decode_fn(sample_full) if compiled else sample_full
-        )
+
+        def graph_sampler(fn: Callable, compiled_fn: Callable, trace: str | None) -> Callable:
+            if not compiled:
+                return fn
+            if saved is None or trace is None:
+                return compiled_fn
+            return saved.compiled(fn, trace, fallback=compiled_fn)
+
+        compiled_sample = compile_decode_fn(sample) if compiled else sample
+        compiled_full = compile_decode_fn(sample_full) if compiled else sample_full
+        self._graph_samplers: dict[SamplingMode, Sampler] = {
+            mode: graph_sampler(sample, compiled_sample, trace)
+            for mode, trace in _SAMPLE_TRACES.items()
+        }
+        self._graph_full_samplers: dict[bool, FullSampler] = {
+            truncation: graph_sampler(sample_full, compiled_full, trace)
+            for truncation, trace in _FULL_TRACES.items()
+        }
+
+    def loaded_traces(self) -> list[str]:
+        """The samplers that run a saved trace (``saved_traces.py``), for the start-up log."""
+        samplers = [*self._graph_samplers.values(), *self._graph_full_samplers.values()]
+        return [s.name for s in samplers if isinstance(s, SavedTrace) and s.loaded is not None]
 
     def sample_decode_rows(
         self,
@@ -123,7 +158,8 @@ class StepSampling:
         use the spare state row."""
         if variant.sampling is not SamplingMode.FULL:
             all_greedy = variant.sampling is SamplingMode.GREEDY
-            self.sample(slot, logits, batch, all_greedy, sampler=self._graph_sample)
+            sampler = self._graph_samplers[variant.sampling]
+            self.sample(slot, logits, batch, all_greedy, sampler=sampler)
             return
         inputs = slot.inputs
         rows = torch.where(valid, inputs.request_row[:batch].long(), self.state.spare_row)
@@ -137,7 +173,7 @@ class StepSampling:
             variant.truncation,
             variant.top_logprobs,
             valid,
-            sampler=self._graph_sample_full,
+            sampler=self._graph_full_samplers[variant.truncation],
         )
 
     def sample(

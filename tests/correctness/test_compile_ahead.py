@@ -116,13 +116,18 @@ def test_a_process_with_threads_forks_none() -> None:
 _RUN = textwrap.dedent(
     """
     import json, os, sys
+    from pathlib import Path
+
     from torch._dynamo.utils import counters
 
     from cbpipe.models import resolve_model
     from cbpipe.protocol.slots import SlotLayout, SlotLimits
     from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, cache_is_cold
     from cbpipe.worker.cuda_graphs import RANDOM, bucket_sizes, compiled_bucket_sizes, tuning_batch
+    from cbpipe.worker.saved_traces import SavedTraces
     from tests.harness import InProcessEngine
+
+    traces = SavedTraces(Path(sys.argv[1])) if len(sys.argv) > 1 else None
 
     ahead = CompileAhead.fork(1)  # first, while this process has one thread
     assert ahead is not None
@@ -139,6 +144,7 @@ _RUN = textwrap.dedent(
         first_batch=tuning_batch(compiled_bucket_sizes(bucket_sizes(max_num_seqs))),
         cache_env={"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]},
         log_level="warning",
+        traces_folder=None if traces is None else str(traces.folder),
     )
     ahead.start(job)
     engine = InProcessEngine(
@@ -151,21 +157,39 @@ _RUN = textwrap.dedent(
         compile_decode=True,
         full_sampling_graphs=False,
         before_sampler_compiles=ahead.wait,
+        saved_traces=traces,
     )
     assert engine.layout == job.layout
-    print(json.dumps({k: v for k, v in counters["inductor"].items() if "fxgraph" in k}))
+    report = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
+    temperature = engine.runner.sampling._graph_samplers[RANDOM.sampling]
+    report["trace_loaded"] = getattr(temperature, "loaded", None) is not None
+    print(json.dumps(report))
     """
 )
+
+
+def _start_an_engine_after_a_process(tmp_path: Path, *args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_the_runner_loads_the_sampler_a_process_compiled_ahead(tmp_path: Path) -> None:
     """Greedy's first run compiles the forward (a miss: the cache is cold); the temperature
     sampler's, after the runner waited for the process, is a hit."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=1500,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _start_an_engine_after_a_process(tmp_path)
     assert counts.get("fxgraph_cache_hit", 0) >= 1, counts
+    assert not counts["trace_loaded"]
+
+
+def test_the_runner_loads_the_trace_a_process_saved_ahead(tmp_path: Path) -> None:
+    """With a folder for traces, the process saves the temperature sampler's, and the
+    runner's first run of it loads that trace rather than tracing the sampler itself."""
+    traces = tmp_path / "traces"
+    report = _start_an_engine_after_a_process(tmp_path / "inductor", str(traces))
+    assert report["trace_loaded"], report
+    assert list(traces.glob("temperature-*.bin"))

@@ -324,7 +324,7 @@ def test_a_step_with_alternatives_runs_the_compiled_sampler_of_one_without(
     graphs = []
     for top_logprobs in (False, True, False):
         sampling.sample_full(slot, logits, n, rows, False, top_logprobs,
-                             sampler=sampling._graph_sample_full)  # fmt: skip
+                             sampler=sampling._graph_full_samplers[False])  # fmt: skip
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and len(set(graphs)) == 1, f"graphs after each step: {graphs}"
     values, ids = torch.topk(logits.log_softmax(-1), MAX_TOP_LOGPROBS)

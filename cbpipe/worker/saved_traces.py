@@ -1,0 +1,154 @@
+"""Compiled samplers saved whole, so that a later start loads them instead of tracing them.
+
+Inductor's cache spares a warm start the compiling, not dynamo's tracing: every compiled
+function is traced again in the worker, one after another, and the samplers' traces took
+about 2-3 s of an 8B model's warm start-up on the H200 (docs/PERFORMANCE.md).
+``torch.compile(...).aot_compile`` (experimental in torch) packs one trace (its guards, the
+transformed bytecode and inductor's compiled graph) into a file that another process loads
+in a few tens of milliseconds. The compile-ahead processes (``compile_ahead.py``) save the
+samplers' traces beside inductor's cache on the start that first needs them; the worker
+loads them.
+
+A trace holds what it was traced from. What the compile cache's folder does not name is in
+the file's name: the digest of the traced code's source and of the compile settings, with
+torch's and Python's versions (the bytecode is Python's). What the trace specialised on (the
+vocabulary, the variant's flags) its guards check before a loaded trace first runs. Whatever
+is missing, fails to load or fails its guards falls back to ``torch.compile``: a slower
+start, the same kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbpipe.worker import compiling, sampler
+from cbpipe.worker.compiling import compile_decode_fn
+
+log = logging.getLogger("cbpipe.worker")
+
+# The modules whose source a saved sampler's trace holds: the samplers themselves, and the
+# compile options and dynamo settings they are traced under.
+_TRACED_SOURCES = (sampler, compiling)
+
+
+@functools.cache
+def trace_digest() -> str:
+    """A short digest of everything a saved trace depends on besides the compile cache
+    folder's key (``compile_cache.cache_key``)."""
+    digest = hashlib.sha256()
+    for module in _TRACED_SOURCES:
+        digest.update(inspect.getsource(module).encode())
+    digest.update(f"torch {torch.__version__} python {sys.version}".encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def traces_are_supported() -> bool:
+    """Whether this torch saves and loads whole traces."""
+    saves = hasattr(torch.compile(_identity), "aot_compile")
+    return saves and hasattr(torch.compiler, "load_compiled_function")
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class SavedTraces:
+    """A folder of saved traces. The compile-ahead processes write them (``writes``); the
+    worker only reads them."""
+
+    def __init__(self, folder: Path, *, writes: bool = False) -> None:
+        self.folder = folder
+        self.writes = writes
+
+    def path(self, name: str) -> Path:
+        return self.folder / f"{name}-{trace_digest()}.bin"
+
+    def missing(self, names: tuple[str, ...]) -> list[str]:
+        """Which of ``names`` no writer has tried yet: neither saved nor refused."""
+        return [
+            name
+            for name in names
+            if not self.path(name).is_file() and not _refusal(self.path(name)).is_file()
+        ]
+
+    def compiled(self, fn: Callable, name: str, fallback: Callable) -> SavedTrace:
+        """``fn`` compiled as ``compile_decode_fn`` compiles it, through the trace saved as
+        ``name`` (one specialisation of ``fn``, one set of its flags, a name), or else through
+        ``fallback``, ``fn`` compiled."""
+        return SavedTrace(fn, name, self.path(name), fallback, writes=self.writes)
+
+
+def _refusal(path: Path) -> Path:
+    return path.with_suffix(".refused")
+
+
+class SavedTrace:
+    """A compiled function that on its first call loads its saved trace, or traces and saves
+    it (a writer), or else falls back to ``torch.compile``. Calls whose inputs fail the
+    loaded trace's guards go to the fall-back too."""
+
+    def __init__(
+        self, fn: Callable, name: str, path: Path, fallback: Callable, *, writes: bool
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.path = path
+        self.fallback = fallback
+        self.writes = writes
+        self.loaded: Any = None  # the trace, loaded or saved by this process
+        self._first_call = True
+        self._refused = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self._first_call:
+            self._first_call = False
+            self.loaded = self._load() or (self._trace_and_save(args) if self.writes else None)
+        if self.loaded is not None and self.loaded.guard_check(*args):
+            return self.loaded(*args)
+        if self.loaded is not None and not self._refused:
+            self._refused = True
+            log.info("%s: the saved trace's guards refuse these inputs; compiling", self.path.name)
+        return self.fallback(*args)
+
+    def _load(self) -> Any:
+        if not self.path.is_file():
+            return None
+        started = time.perf_counter()
+        try:
+            with self.path.open("rb") as file:
+                loaded = torch.compiler.load_compiled_function(file)  # type: ignore[arg-type]
+            loaded.guard_check  # noqa: B018 (a torch without it cannot be trusted with guards)
+        except Exception as exc:  # an artifact of a torch that saves what this one cannot load
+            log.warning("could not load the saved trace %s (%s): compiling instead", self.path, exc)
+            return None
+        log.debug("loaded %s in %.2f s", self.path.name, time.perf_counter() - started)
+        return loaded
+
+    def _trace_and_save(self, args: tuple[Any, ...]) -> Any:
+        started = time.perf_counter()
+        try:
+            traced = compile_decode_fn(self.fn, fullgraph=True).aot_compile((args, {}))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Written aside, then renamed: a worker never reads half a file.
+            aside = self.path.with_name(f"{self.path.name}.{os.getpid()}")
+            traced.save_compiled_function(str(aside))
+            os.replace(aside, self.path)
+        except Exception as exc:  # an experimental API: missing, or refusing this function
+            log.warning("could not save a trace of %s (%s)", self.fn.__qualname__, exc)
+            # Noted, so that later starts do not fork processes to fail at it again.
+            _refusal(self.path).write_text(f"{type(exc).__name__}: {exc}\n")
+            return None
+        log.debug("traced and saved %s in %.1f s", self.path.name, time.perf_counter() - started)
+        return traced
