@@ -19,6 +19,7 @@ start, the same kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo import config as dynamo_config
 
 from cbpipe.worker import compiling, sampler
 from cbpipe.worker.compiling import compile_decode_fn
@@ -56,8 +58,17 @@ def trace_digest() -> str:
 @functools.cache
 def traces_are_supported() -> bool:
     """Whether this torch saves and loads whole traces."""
-    saves = hasattr(torch.compile(_identity), "aot_compile")
+    with _aot_compile_enabled():
+        saves = hasattr(torch.compile(_identity), "aot_compile")
     return saves and hasattr(torch.compiler, "load_compiled_function")
+
+
+def _aot_compile_enabled() -> contextlib.AbstractContextManager:
+    """Where ``torch.compile``'s result has ``aot_compile``: torch before 2.13 (2.11 on the
+    device) offers it only with dynamo's ``enable_aot_compile`` set, 2.13 by default."""
+    if hasattr(dynamo_config, "enable_aot_compile"):
+        return dynamo_config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
 
 
 def _identity(x: Any) -> Any:
@@ -139,7 +150,9 @@ class SavedTrace:
     def _trace_and_save(self, args: tuple[Any, ...]) -> Any:
         started = time.perf_counter()
         try:
-            traced = compile_decode_fn(self.fn, fullgraph=True).aot_compile((args, {}))
+            with _aot_compile_enabled():
+                compiled = compile_decode_fn(self.fn, fullgraph=True)
+            traced = compiled.aot_compile((args, {}))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Written aside, then renamed: a worker never reads half a file.
             aside = self.path.with_name(f"{self.path.name}.{os.getpid()}")

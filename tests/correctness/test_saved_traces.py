@@ -30,6 +30,9 @@ _RUN = textwrap.dedent(
     from cbpipe.worker.sampler import SamplingInputs, sample
     from cbpipe.worker.saved_traces import SavedTraces
 
+    # As torch before 2.13 (the device's 2.11) has it: ``aot_compile`` only where asked for.
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        torch._dynamo.config.enable_aot_compile = False
     folder, writes = Path(sys.argv[1]), sys.argv[2] == "write"
     traces = SavedTraces(folder, writes=writes)
     traced = traces.compiled(sample, "temperature", fallback=compile_decode_fn(sample))
