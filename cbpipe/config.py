@@ -151,6 +151,12 @@ class WorkerConfig:
         "start-up of a model compiles, later ones read the compile cache "
         "(--no-compile-decode: graphs of the eager forward, a shorter cold start-up)",
     )
+    saved_traces: bool = _opt(
+        True,
+        "keep the compiled samplers' whole traces (torch's experimental aot_compile) in the "
+        "compile cache, so that a later start-up loads them instead of tracing them again "
+        "(--no-saved-traces: trace them at every start-up)",
+    )
     blas_library: Literal["auto", "cublaslt", "cublas"] = _opt(
         "auto",
         "the BLAS library of the matrix products on CUDA; auto is cuBLASLt, whose kernels "

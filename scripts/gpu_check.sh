@@ -32,6 +32,10 @@
 #            mode starts its own engine, so the second reads the cache the first wrote; with
 #            BENCH_EXTRA=--launch-arg=--log-level=info each engine's start-up breakdown is
 #            printed)                                                            (~3-6 min)
+#   startup  warm start-ups of STARTUP_MODEL: one launch to warm the compile cache, then
+#            STARTUP_REPEATS rounds that launch once with each of STARTUP_VARIANTS (launch
+#            arguments, ";" between variants, an empty one the defaults), each serving 4 short
+#            requests: the ready time and the worker's start-up breakdown of each  (~2-4 min)
 #   target   issue 3's runs: random:llama-8b x32, 256 prompt + 8192 new tokens, async and
 #            sync; random:llama-1b x1024, prompts 64-1024 and outputs 64-512, async
 #            (TARGET_1B_MODES)                                                    (~6 min)
@@ -93,6 +97,8 @@
 #   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes);
 #                          BENCH_1B_MODES overrides it for the bench part's llama-1b run
 #   BENCH_MODELS=llama8b,llama1b  the bench part's runs
+#   STARTUP_MODEL=random:llama-8b   STARTUP_REPEATS=2
+#   STARTUP_VARIANTS=";--no-saved-traces"  the startup part's launch arguments, alternated
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
 #   SERVING_RUNS=llama1b,llama8b  the serving part's runs
 #   SERVING_1B_SERVERS="1 4"      HTTP server processes (--api-server-count) of each 1b run
@@ -398,6 +404,32 @@ if want bench; then
         fi
     } 2>&1 | tee "$OUT/bench.log"
     rcs+=("bench=$(grep '^exit code' "$OUT/bench.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want startup; then
+    {
+        section "warm start-ups of ${STARTUP_MODEL:=random:llama-8b}"
+        IFS=';' read -r -a startup_variants <<<"${STARTUP_VARIANTS-;--no-saved-traces}"
+        launch() {  # launch NAME FLAGS: 4 short requests; the start-up from bench's JSON
+            local name=$1
+            shift
+            local flags=()
+            read -r -a flags <<<"$*"
+            timeout -k 30 "$BENCH_TIMEOUT" "$PY" scripts/bench.py --model "$STARTUP_MODEL" \
+                --num-requests 4 --prompt-len 16 --output-len 16 --modes async \
+                --launch-arg=--log-level=info \
+                ${flags[@]+"${flags[@]/#/--launch-arg=}"} --json "$OUT/startup_$name.json" |
+                grep -E "start-up|captured|engine start|saved"
+            echo "$name [${flags[*]}]: exit code ${PIPESTATUS[0]}"
+        }
+        launch warming
+        for round in $(seq "${STARTUP_REPEATS:-2}"); do
+            for index in "${!startup_variants[@]}"; do
+                launch "r${round}_v${index}" "${startup_variants[$index]}"
+            done
+        done
+    } 2>&1 | tee "$OUT/startup.log"
+    rcs+=("startup=$(grep -c 'exit code 0' "$OUT/startup.log") ok")
 fi
 
 if want target; then

@@ -169,7 +169,7 @@ def _load(
     traces: SavedTraces | None = None
     if cuda:  # nothing is compiled on the CPU (Triton is interpreted there)
         cache = use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
-        if cache is not None and traces_are_supported():
+        if cache is not None and config.worker.saved_traces and traces_are_supported():
             traces = SavedTraces(cache / "traces")
         torch.zeros(1, device=device)  # the context, which the weights would otherwise pay for
         log.info("matrix products on %s", use_blas_library(config.worker.blas_library, device))

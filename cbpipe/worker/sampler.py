@@ -262,12 +262,13 @@ def _logsumexp(
     return row_max + (piece_sum * (piece_max - row_max[:, None]).exp()).sum(dim=-1).log()
 
 
-# Left out of the compiled sampler (the compiled graph breaks around it, and inside a CUDA
-# graph capture these ops are recorded like any others): inductor (torch 2.11) fails to
-# generate the split scan it picks for the running mass over a 128 k vocabulary with
-# dynamic shapes ("list indices must be integers or slices, not NoneType"), and the sort,
-# which inductor leaves to aten anyway, is most of this function's time.
-@torch.compiler.disable
+# Opaque to the compiled sampler (one op inductor calls as it is; inside a CUDA graph
+# capture its ops are recorded like any others): inductor (torch 2.11) fails to generate
+# the split scan it picks for the running mass over a 128 k vocabulary with dynamic shapes
+# ("list indices must be integers or slices, not NoneType"), and the sort, which inductor
+# leaves to aten anyway, is most of this function's time. An op rather than a graph break,
+# so that the sampler is still one graph, which a saved trace needs (``saved_traces.py``).
+@torch.library.custom_op("cbpipe::top_k_top_p", mutates_args=())
 def _apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
@@ -287,6 +288,13 @@ def _apply_top_k_top_p(
     drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+@_apply_top_k_top_p.register_fake
+def _top_k_top_p_shape(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    return torch.empty_like(logits)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -96,11 +96,11 @@ def typed_views(buffer: torch.Tensor, layout: SlotLayout, cls: type, region: Reg
 
 
 # The saved trace (``saved_traces.py``) of each sampling variant's compiled sampler: greedy and
-# temperature are two specialisations of ``sample``; top-k/top-p's full sampler breaks its
-# graph on purpose (``sampler._apply_top_k_top_p``), and only whole graphs can be saved.
+# temperature are two specialisations of ``sample``, the full sampler's two with and without
+# the sort for top-k and top-p.
 _SAMPLE_TRACES = {SamplingMode.GREEDY: "greedy", SamplingMode.RANDOM: "temperature"}
-_FULL_TRACES = {False: "full", True: None}
-SAVED_SAMPLERS = (*_SAMPLE_TRACES.values(), "full")
+_FULL_TRACES = {False: "full", True: "full-top-k-top-p"}
+SAVED_SAMPLERS = (*_SAMPLE_TRACES.values(), *_FULL_TRACES.values())
 
 
 class StepSampling:
@@ -121,10 +121,10 @@ class StepSampling:
         # ordered after the write by the compute stream.
         self.last_sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
 
-        def graph_sampler(fn: Callable, compiled_fn: Callable, trace: str | None) -> Callable:
+        def graph_sampler(fn: Callable, compiled_fn: Callable, trace: str) -> Callable:
             if not compiled:
                 return fn
-            if saved is None or trace is None:
+            if saved is None:
                 return compiled_fn
             return saved.compiled(fn, trace, fallback=compiled_fn)
 
