@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -94,11 +95,20 @@ class SavedTraces:
             if not self.path(name).is_file() and not _refusal(self.path(name)).is_file()
         ]
 
+    def remove_stale(self, name: str) -> None:
+        """Remove ``name``'s files of other digests: what earlier versions saved, which no
+        start of this one will read."""
+        current = {self.path(name), _refusal(self.path(name))}
+        stale = re.compile(rf"{re.escape(name)}-[0-9a-f]{{16}}\.(bin|refused)")
+        for file in self.folder.iterdir():
+            if stale.fullmatch(file.name) and file not in current:
+                file.unlink(missing_ok=True)
+
     def compiled(self, fn: Callable, name: str, fallback: Callable) -> SavedTrace:
         """``fn`` compiled as ``compile_decode_fn`` compiles it, through the trace saved as
         ``name`` (one specialisation of ``fn``, one set of its flags, a name), or else through
         ``fallback``, ``fn`` compiled."""
-        return SavedTrace(fn, name, self.path(name), fallback, writes=self.writes)
+        return SavedTrace(fn, name, self, fallback)
 
 
 def _refusal(path: Path) -> Path:
@@ -110,14 +120,13 @@ class SavedTrace:
     it (a writer), or else falls back to ``torch.compile``. Calls whose inputs fail the
     loaded trace's guards go to the fall-back too."""
 
-    def __init__(
-        self, fn: Callable, name: str, path: Path, fallback: Callable, *, writes: bool
-    ) -> None:
+    def __init__(self, fn: Callable, name: str, traces: SavedTraces, fallback: Callable) -> None:
         self.fn = fn
         self.name = name
-        self.path = path
+        self.traces = traces
+        self.path = traces.path(name)
         self.fallback = fallback
-        self.writes = writes
+        self.writes = traces.writes
         self.loaded: Any = None  # the trace, loaded or saved by this process
         self._first_call = True
         self._refused = False
@@ -125,7 +134,9 @@ class SavedTrace:
     def __call__(self, *args: Any) -> Any:
         if self._first_call:
             self._first_call = False
-            self.loaded = self._load() or (self._trace_and_save(args) if self.writes else None)
+            self.loaded = self._load()
+            if self.loaded is None and self.writes:
+                self.loaded = self._trace_and_save(args)
         if self.loaded is not None and self.loaded.guard_check(*args):
             return self.loaded(*args)
         if self.loaded is not None and not self._refused:
@@ -149,15 +160,16 @@ class SavedTrace:
 
     def _trace_and_save(self, args: tuple[Any, ...]) -> Any:
         started = time.perf_counter()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with _aot_compile_enabled():
                 compiled = compile_decode_fn(self.fn, fullgraph=True)
             traced = compiled.aot_compile((args, {}))
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             # Written aside, then renamed: a worker never reads half a file.
             aside = self.path.with_name(f"{self.path.name}.{os.getpid()}")
             traced.save_compiled_function(str(aside))
             os.replace(aside, self.path)
+            self.traces.remove_stale(self.name)
         except Exception as exc:  # an experimental API: missing, or refusing this function
             log.warning("could not save a trace of %s (%s)", self.fn.__qualname__, exc)
             # Noted, so that later starts do not fork processes to fail at it again.

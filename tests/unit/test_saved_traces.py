@@ -51,11 +51,26 @@ def test_a_writer_notes_a_function_it_cannot_trace_whole(tmp_path: Path) -> None
         torch._dynamo.graph_break()
         return x + 1
 
-    writer = SavedTraces(tmp_path, writes=True)
+    writer = SavedTraces(tmp_path / "traces", writes=True)  # a folder not made yet
     traced = writer.compiled(breaks, "breaks", fallback=breaks)
     assert torch.equal(traced(torch.zeros(3)), torch.ones(3))
     assert traced.loaded is None
     assert not writer.path("breaks").exists()
     assert writer.missing(("breaks",)) == []
-    reader = SavedTraces(tmp_path).compiled(breaks, "breaks", fallback=breaks)
+    reader = SavedTraces(tmp_path / "traces").compiled(breaks, "breaks", fallback=breaks)
     assert torch.equal(reader(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_a_writer_removes_what_other_versions_saved_under_its_name(tmp_path: Path) -> None:
+    traces = SavedTraces(tmp_path)
+    keep = [
+        traces.path("full"),
+        traces.path("full").with_suffix(".refused"),
+        tmp_path / "full-top-k-top-p-0123456789abcdef.bin",  # another name's
+        tmp_path / "notes.txt",
+    ]
+    stale = [tmp_path / "full-0123456789abcdef.bin", tmp_path / "full-fedcba9876543210.refused"]
+    for file in keep + stale:
+        file.write_bytes(b"")
+    traces.remove_stale("full")
+    assert sorted(tmp_path.iterdir()) == sorted(keep)
