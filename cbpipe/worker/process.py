@@ -138,10 +138,9 @@ def _start_compile_ahead(
     ahead: CompileAhead, job: CompileJob, device: torch.device, runner_compiles: bool
 ) -> None:
     """Give ``ahead`` its job where it helps: a cold cache or a sampler's trace not saved yet,
-    a compiled decode path, and room
-    on the device for the processes with as much again to spare (the KV cache is sized
-    already: what is left is the worker's own working room), as many processes as there is
-    room for. Else stop them."""
+    a compiled decode path, and room on the device for the processes with as much again to
+    spare (the KV cache is sized already: what is left is the worker's own working room), as
+    many processes as there is room for. Else stop them."""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     room = job.processes_with_room(free, len(ahead))
     if runner_compiles and needs_compiling(job.traces_folder) and room:
