@@ -1,11 +1,11 @@
 """Compiled samplers saved whole, so that a later start loads them instead of tracing them.
 
 Inductor's cache spares a warm start the compiling, not dynamo's tracing: every compiled
-function is traced again in the worker, one after another, and the samplers' traces took
-about 2-3 s of an 8B model's warm start-up on the H200 (docs/PERFORMANCE.md).
-``torch.compile(...).aot_compile`` (experimental in torch) packs one trace (its guards, the
-transformed bytecode and inductor's compiled graph) into a file that another process loads
-in a few tens of milliseconds. The compile-ahead processes (``compile_ahead.py``) save the
+function is traced again in the worker, one after another. ``torch.compile(...).aot_compile``
+(experimental in torch) packs one trace (its guards, the transformed bytecode and inductor's
+compiled graph) into a file that another process loads without tracing: on the H200 an 8B
+model's warm start-up spent 0.3-0.5 s on each sampler's first run so, against 1.5-1.7 s
+traced (docs/PERFORMANCE.md). The compile-ahead processes (``compile_ahead.py``) save the
 samplers' traces beside inductor's cache on the start that first needs them; the worker
 loads them.
 
@@ -126,7 +126,6 @@ class SavedTrace:
         self.traces = traces
         self.path = traces.path(name)
         self.fallback = fallback
-        self.writes = traces.writes
         self.loaded: Any = None  # the trace, loaded or saved by this process
         self._first_call = True
         self._refused = False
@@ -135,7 +134,7 @@ class SavedTrace:
         if self._first_call:
             self._first_call = False
             self.loaded = self._load()
-            if self.loaded is None and self.writes:
+            if self.loaded is None and self.traces.writes:
                 self.loaded = self._trace_and_save(args)
         if self.loaded is not None and self.loaded.guard_check(*args):
             return self.loaded(*args)
