@@ -34,6 +34,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import torch
 from transformers import PreTrainedModel
 
+from cbpipe.collector import CollectionClock
 from cbpipe.protocol.messages import SamplingMode, Step
 
 SlotT = TypeVar("SlotT")
@@ -161,6 +162,8 @@ class DecodeGraphs:
         # The uncaptured run of each variant at ``first_batch``: a compile, if any (the first
         # variant's includes the forward's).
         self.first_run_s: dict[GraphVariant, float] = {}
+        # What the collector took during the captures proper (the first runs excluded).
+        self.capture_collections = CollectionClock()
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -207,15 +210,18 @@ class DecodeGraphs:
                     self.first_run_s[variant] = time.perf_counter() - started
                     if variant is GREEDY and after_first_run is not None:
                         after_first_run()
-        pool = torch.cuda.graph_pool_handle() if stream is not None else None
-        for batch in sorted(variants, reverse=True):
-            for variant in variants[batch]:
-                bound = functools.partial(body, slot, batch, variant)
-                if stream is None:
-                    self._graphs[batch, variant] = _BoundBody(bound)
-                else:
-                    self._graphs[batch, variant] = _capture(bound, stream, pool)
-        if stream is not None:
+        bodies = {
+            (batch, variant): functools.partial(body, slot, batch, variant)
+            for batch in sorted(variants, reverse=True)
+            for variant in variants[batch]
+        }
+        if stream is None:
+            self._graphs.update((key, _BoundBody(bound)) for key, bound in bodies.items())
+            return
+        pool = torch.cuda.graph_pool_handle()
+        with self.capture_collections:
+            for key, bound in bodies.items():
+                self._graphs[key] = _capture(bound, stream, pool)
             torch.cuda.synchronize()
 
     def find(self, step: Step, *, truncation: bool = False) -> Replayable | None:

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
-from cbpipe.collector import CollectorPacing
+from cbpipe.collector import CollectionClock, CollectorPacing
 from cbpipe.lifetime import process_age_s
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
@@ -243,7 +243,7 @@ def _load(
         max_batch_tokens=max_batch_tokens,
     )
     phases.done("runner set-up", parts=runner.startup_seconds)
-    log.info("start-up: %s", phases.describe())
+    log.info("start-up: %s", phases.finish())
     hello = WorkerReady(
         model=source.name,
         vocab_size=int(model.config.get_text_config().vocab_size),
@@ -264,6 +264,7 @@ class StartupPhases:
     def __init__(self) -> None:
         self._last = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.collections = CollectionClock().start()
 
     @classmethod
     def since_process_start(cls) -> StartupPhases:
@@ -286,10 +287,12 @@ class StartupPhases:
         if not parts or rest >= 0.05:
             self.seconds[name] = rest
 
-    def describe(self) -> str:
+    def finish(self) -> str:
+        """The line: the total, each phase, and what garbage collection took of it."""
+        self.collections.stop()
         total = sum(self.seconds.values())
         parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
-        return f"{total:.1f} s ({parts})"
+        return f"{total:.1f} s ({parts}); garbage collection {self.collections.describe()}"
 
 
 def _keep_beating(beat: Callable[[], None]) -> None:

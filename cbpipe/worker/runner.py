@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from cbpipe.collector import CollectionClock
 from cbpipe.protocol.messages import SamplingMode, Step, StepDone
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
@@ -410,7 +411,7 @@ class StepRunner:
         compiles_before = dynamo_graphs()
         started = time.perf_counter()
         assert self.graph_slot is not None
-        with decode_compile_settings():  # where the bodies compile
+        with decode_compile_settings(), CollectionClock() as collections:
             self.graphs.capture(
                 self._graph_body,
                 batch_sizes=batch_sizes,
@@ -427,12 +428,15 @@ class StepRunner:
         warm_up = self.startup_seconds.get("warm-up", 0.0) if self.compiled else 0.0
         self.startup_seconds["capture"] = elapsed - first_runs - warm_up
         log.info(
-            "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s",
+            "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s; "
+            "garbage collection %s (in the captures proper %s)",
             len(self.graphs),
             self.graphs.batch_sizes,
             self.graphs.full_batch_sizes,
             elapsed,
             self._compile_summary(compiles_before) if self.compiled else "",
+            collections.describe(),
+            self.graphs.capture_collections.describe(),
         )
         if self.compiled:
             log.info("compile phases, longest first (they nest): %s", compile_phases())

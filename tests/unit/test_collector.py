@@ -1,5 +1,6 @@
-"""The scheduler's garbage-collection pacing: no automatic full collections, full ones when
-idle or overdue, and the interpreter's settings given back."""
+"""The engine processes' garbage-collection pacing: no automatic full collections, full ones
+when idle or overdue, and the interpreter's settings given back; no collection at all while
+CUDA graphs are captured; the collections a start-up made, counted."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cbpipe.collector import CollectorPacing
+from cbpipe.collector import CollectionClock, CollectorPacing, collector_paused
 
 
 class Node:
@@ -90,3 +91,39 @@ def test_overdue_collection_between_steps(pacing: CollectorPacing) -> None:
     pacing.max_interval_s = 0.0
     pacing.between_steps()
     assert alive() is None
+
+
+def test_nothing_is_collected_while_paused_and_collection_resumes_after() -> None:
+    gc.freeze()
+    gc.collect()
+    try:
+        with CollectionClock() as clock, collector_paused():
+            _churn()
+        assert sum(clock.counts) == 0
+        assert gc.isenabled()
+        with CollectionClock() as clock:
+            _churn()
+        assert clock.counts[0] > 0  # the control: the same churn collects outside
+    finally:
+        gc.unfreeze()
+
+
+def test_a_pause_inside_a_disabled_collector_leaves_it_disabled() -> None:
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_the_clock_counts_collections_by_generation_and_stops() -> None:
+    with CollectionClock() as clock:
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect(2)  # after the clock stopped
+    assert clock.counts == [1, 0, 1]
+    assert clock.seconds[2] > 0
+    assert "2 collections (1 full:" in clock.describe()

@@ -1,6 +1,9 @@
-"""The worker's start-up line: each phase once, and the runner's timed parts in its place."""
+"""The worker's start-up line: each phase once, the runner's timed parts in its place, and
+what garbage collection took."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
@@ -39,7 +42,18 @@ def test_the_runners_parts_replace_its_phase_and_the_total_is_the_elapsed_time(
         "runner set-up",
     ]
     assert phases.seconds["runner set-up"] == pytest.approx(0.5)
-    assert phases.describe().startswith("26.5 s (weights 1.5 s, warm-up 12.0 s, compile 10.0 s")
+    line = phases.finish()
+    assert line.startswith("26.5 s (weights 1.5 s, warm-up 12.0 s, compile 10.0 s")
+    assert "; garbage collection " in line
+
+
+def test_the_line_counts_the_collections_made_during_start_up() -> None:
+    phases = StartupPhases()
+    gc.collect()
+    line = phases.finish()
+    gc.collect()  # after the line: not counted
+    assert phases.collections.counts[2] == 1
+    assert line.endswith(f"(1 full: {phases.collections.seconds[2]:.2f} s)")
 
 
 def test_a_remainder_too_small_to_matter_gets_no_phase_of_its_own(clock: _Clock) -> None:
