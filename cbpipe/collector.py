@@ -80,10 +80,9 @@ class CollectorPacing:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """No automatic collection inside: what exists on entry is frozen (the process's start-up
-    objects, which live as long as it does), and collection is off until the exit."""
+    """No automatic collection inside. Nothing is frozen: a cycle of garbage that holds
+    device memory must stay collectable."""
     was_enabled = gc.isenabled()
-    gc.freeze()
     gc.disable()
     try:
         yield

@@ -34,7 +34,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from cbpipe.collector import CollectionClock
+from cbpipe.collector import CollectionClock, collector_paused
 from cbpipe.protocol.messages import SamplingMode, Step
 
 SlotT = TypeVar("SlotT")
@@ -219,7 +219,8 @@ class DecodeGraphs:
             self._graphs.update((key, _BoundBody(bound)) for key, bound in bodies.items())
             return
         pool = torch.cuda.graph_pool_handle()
-        with self.capture_collections:
+        # After the first runs, which compile and make garbage; see ``collector_paused``.
+        with self.capture_collections, collector_paused():
             for key, bound in bodies.items():
                 self._graphs[key] = _capture(bound, stream, pool)
             torch.cuda.synchronize()

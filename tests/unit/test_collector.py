@@ -116,7 +116,6 @@ def test_a_pause_inside_a_disabled_collector_leaves_it_disabled() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
-        gc.unfreeze()
 
 
 def test_the_clock_counts_collections_by_generation_and_stops() -> None:
