@@ -15,12 +15,11 @@ and under unbroken load at most once every ``max_interval_s``, right after a ste
 launched (the device then has a step of work queued). Objects freed by reference counting,
 which is nearly all of them, never wait for the collector either way.
 
-Start-up has two more concerns. A CUDA graph capture runs every bucket's body twice, and a
-full collection during it walks the whole heap the imports, the model and the compiled code
-made, for nothing: the bodies' garbage goes by reference counting. A collection can also run a
-finalizer mid-capture (a compiled module unloading its kernels), which invalidates the capture.
-So captures run with the collector paused (``collector_paused``), as vLLM and SGLang do theirs.
-``CollectionClock`` says what the collector took, for the start-up line.
+CUDA graph captures run with the collector paused (``collector_paused``), as vLLM's and
+SGLang's do: a collection during a capture can run a finalizer (a compiled module unloading
+its kernels) that invalidates it. On the H200 the captures made no full collection either way,
+so the pause saves no time (docs/PERFORMANCE.md). ``CollectionClock`` says what the collector
+took, for the worker's start-up line.
 """
 
 from __future__ import annotations
