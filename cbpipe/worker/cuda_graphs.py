@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -66,6 +67,25 @@ class GraphVariant(NamedTuple):
             return "greedy" if self.sampling is SamplingMode.GREEDY else "temperature"
         truncation = "+top-k/top-p" if self.truncation else ""
         return f"full{truncation}{'+alternatives' if self.top_logprobs else ''}"
+
+
+@dataclasses.dataclass
+class CaptureTimes:
+    """Where the captures' time went (the first runs, which compile, excluded), for the log."""
+
+    uncaptured_runs_s: float = 0.0  # each body once before its capture: host time
+    waits_s: float = 0.0  # for the device to finish an uncaptured run
+    captured_runs_s: float = 0.0  # each body under capture: host time, no device work
+    instantiations_s: float = 0.0  # ``capture_end``: the graph made executable
+    collections: CollectionClock = dataclasses.field(default_factory=CollectionClock)
+
+    def describe(self) -> str:
+        return (
+            f"uncaptured runs {self.uncaptured_runs_s:.2f} s, waits {self.waits_s:.2f} s, "
+            f"captured runs {self.captured_runs_s:.2f} s, "
+            f"instantiations {self.instantiations_s:.2f} s, "
+            f"garbage collection {self.collections.describe()}"
+        )
 
 
 GREEDY = GraphVariant(SamplingMode.GREEDY)
@@ -162,8 +182,7 @@ class DecodeGraphs:
         # The uncaptured run of each variant at ``first_batch``: a compile, if any (the first
         # variant's includes the forward's).
         self.first_run_s: dict[GraphVariant, float] = {}
-        # What the collector took during the captures proper (the first runs excluded).
-        self.capture_collections = CollectionClock()
+        self.capture_times = CaptureTimes()
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -220,9 +239,9 @@ class DecodeGraphs:
             return
         pool = torch.cuda.graph_pool_handle()
         # After the first runs, which compile and make garbage; see ``collector_paused``.
-        with self.capture_collections, collector_paused():
+        with self.capture_times.collections, collector_paused():
             for key, bound in bodies.items():
-                self._graphs[key] = _capture(bound, stream, pool)
+                self._graphs[key] = _capture(bound, stream, pool, self.capture_times)
             torch.cuda.synchronize()
 
     def find(self, step: Step, *, truncation: bool = False) -> Replayable | None:
@@ -247,7 +266,9 @@ class DecodeGraphs:
         return self._graphs[sizes[index], variant]
 
 
-def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) -> Replayable:
+def _capture(
+    body: Callable[[], None], stream: torch.cuda.Stream, pool: object, times: CaptureTimes
+) -> Replayable:
     """Run ``body`` once uncaptured (lazy initialisation happens there, outside the graph),
     then capture it on ``stream`` into ``pool``.
 
@@ -256,9 +277,12 @@ def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) 
     uncaptured run had just allocated and the next run allocated it again. The graphs share
     one pool, and the uncaptured runs' memory is the same few blocks each time.
     """
+    started = time.perf_counter()
     with torch.cuda.stream(stream):
         body()
+    ran = time.perf_counter()
     stream.synchronize()
+    waited = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         graph.capture_begin(pool)
@@ -268,5 +292,10 @@ def _capture(body: Callable[[], None], stream: torch.cuda.Stream, pool: object) 
             with contextlib.suppress(RuntimeError):  # the capture is invalid: end it anyway
                 graph.capture_end()
             raise
+        captured = time.perf_counter()
         graph.capture_end()
+    times.uncaptured_runs_s += ran - started
+    times.waits_s += waited - ran
+    times.captured_runs_s += captured - waited
+    times.instantiations_s += time.perf_counter() - captured
     return graph

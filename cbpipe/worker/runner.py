@@ -429,14 +429,14 @@ class StepRunner:
         self.startup_seconds["capture"] = elapsed - first_runs - warm_up
         log.info(
             "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s; "
-            "garbage collection %s (in the captures proper %s)",
+            "garbage collection %s; the captures proper: %s",
             len(self.graphs),
             self.graphs.batch_sizes,
             self.graphs.full_batch_sizes,
             elapsed,
             self._compile_summary(compiles_before) if self.compiled else "",
             collections.describe(),
-            self.graphs.capture_collections.describe(),
+            self.graphs.capture_times.describe(),
         )
         if self.compiled:
             log.info("compile phases, longest first (they nest): %s", compile_phases())
