@@ -1,25 +1,33 @@
-"""CUDA graphs of decode steps: one per (batch-size bucket, sampling variant).
+"""CUDA graphs of decode steps: per batch-size bucket, one of the forward and one per sampling
+variant.
 
 A step whose sequences each have one query row launches the same kernels whatever its context
 lengths, block tables or carried tokens, as long as it reads all of them from device memory:
 one fixed device slot (the runner copies each step's inputs into it from its own slot's
-device buffers, and the outputs back) and the last step's sampled ids. So the whole step body
-(carry-over, forward, sampling, writing the outputs) is captured once per bucket and
-replayed: a step of ``n`` sequences replays the smallest bucket of at least ``n`` rows. One
-replay costs a few microseconds of host time instead of a launch per kernel, which for an 8B
-model at batch 32 was most of the step (docs/PERFORMANCE.md). One graph serves every slot:
-capturing one set per slot tripled the capture time at start-up for two copies of a few
-kilobytes a step.
+device buffers, and the outputs back) and the last step's sampled ids. So the step body is
+captured once per bucket and replayed: a step of ``n`` sequences replays the smallest bucket
+of at least ``n`` rows. One replay costs a few microseconds of host time instead of a launch
+per kernel, which for an 8B model at batch 32 was most of the step (docs/PERFORMANCE.md). One
+set serves every slot: capturing one per slot tripled the capture time at start-up for two
+copies of a few kilobytes a step.
+
+The body is two graphs: the forward (carry-over and the model, up to the logits), once per
+bucket, and the sampling (and writing the outputs), once per bucket and variant, reading the
+forward graph's outputs; a replay launches the pair. Capturing is the host's Python running
+each body (twice: once uncaptured, then under capture), and the forward is nearly all of it,
+so capturing it once per bucket rather than once per variant took most of the capture off
+the start-up (docs/PERFORMANCE.md) for one more graph launch a step.
 
 The variants are greedy and temperature-only sampling at every bucket, and the full sampler
 (``SamplingMode.FULL``: penalties, logit bias, min_p, top-k, top-p) at coarser buckets
 (``full_bucket_sizes``: powers of two from 8, and the largest), each with and without the top
 alternatives and with and without the sort that top-k and top-p need: four full variants at
-six of the 19 buckets of ``--max-num-seqs 256``, so 62 graphs instead of 38.
+six of the 19 buckets of ``--max-num-seqs 256``, so 62 sampling graphs instead of 38.
 Steps with prefill rows or prompt log-probabilities run eagerly.
 
-Without a CUDA stream (the CPU, in tests) nothing is captured: a "graph" is the body bound to
-its fixed sizes and called again at every replay, so the padding logic runs in CI too.
+Without a CUDA stream (the CPU, in tests) nothing is captured: a "graph" is the pair of
+halves bound to their fixed sizes and called again at every replay, so the padding logic
+runs in CI too.
 """
 
 from __future__ import annotations
@@ -39,17 +47,34 @@ from cbpipe.collector import CollectionClock, collector_paused
 from cbpipe.protocol.messages import SamplingMode, Step
 
 SlotT = TypeVar("SlotT")
+T = TypeVar("T")
 
 
 class Replayable(Protocol):
     def replay(self) -> None: ...
 
 
-class _BoundBody:
-    """The CPU stand-in for a graph: the body with its sizes fixed."""
+class _BoundPair:
+    """The CPU stand-in for a pair of graphs: both halves with their sizes fixed."""
 
-    def __init__(self, body: Callable[[], None]) -> None:
-        self.replay = body
+    def __init__(
+        self, forward: Callable[[], ForwardOutputs], sample: Callable[[ForwardOutputs], None]
+    ) -> None:
+        self._forward, self._sample = forward, sample
+
+    def replay(self) -> None:
+        self._sample(self._forward())
+
+
+class _GraphPair:
+    """A bucket's forward graph and one variant's sampling graph, which reads its outputs."""
+
+    def __init__(self, forward: torch.cuda.CUDAGraph, sample: torch.cuda.CUDAGraph) -> None:
+        self.forward, self.sample = forward, sample
+
+    def replay(self) -> None:
+        self.forward.replay()
+        self.sample.replay()
 
 
 class GraphVariant(NamedTuple):
@@ -86,6 +111,12 @@ class CaptureTimes:
             f"instantiations {self.instantiations_s:.2f} s, "
             f"garbage collection {self.collections.describe()}"
         )
+
+
+# What the forward half of a decode body gives its sampling half (logits, rows, ids, ...).
+ForwardOutputs = tuple[torch.Tensor, ...]
+DecodeForward = Callable[[SlotT, int], ForwardOutputs]  # (slot, batch size)
+DecodeSampling = Callable[[SlotT, int, GraphVariant, ForwardOutputs], None]
 
 
 GREEDY = GraphVariant(SamplingMode.GREEDY)
@@ -192,7 +223,8 @@ class DecodeGraphs:
 
     def capture(
         self,
-        body: Callable[[SlotT, int, GraphVariant], None],  # (slot, batch size, variant)
+        forward: DecodeForward[SlotT],
+        sample: DecodeSampling[SlotT],
         *,
         batch_sizes: Sequence[int],
         slot: SlotT,
@@ -201,17 +233,17 @@ class DecodeGraphs:
         full_sampling: bool = True,
         after_first_run: Callable[[], None] | None = None,
     ) -> None:
-        """Capture ``body`` on ``slot`` for every bucket and variant, largest first to share
-        one pool.
+        """Capture ``forward`` for every bucket and ``sample`` for every bucket and variant on
+        ``slot``, largest bucket first to share one pool.
 
         Each is run once before capture, so lazy initialisation (Triton compilation, cuBLAS
         workspaces) happens outside the graph. The device input buffers hold zeros then
         (``num_seqs`` 0), so every row is padding and no cache block is touched.
-        ``first_batch``: run the body at this batch (every variant) before any other,
-        uncaptured, for what sets itself up on the first call's sizes.
+        ``first_batch``: run the forward and every variant's sampling at this batch before
+        any other, uncaptured, for what sets itself up on the first call's sizes.
         ``full_sampling``: also the full sampler's variants (without: FULL steps run eagerly).
         ``after_first_run``: called after the first variant's run at ``first_batch`` (the
-        forward's compile), before the others'.
+        forward's compile, counted in that variant's time), before the others'.
         """
         self.batch_sizes = sorted(batch_sizes)
         self.full_batch_sizes = full_bucket_sizes(batch_sizes) if full_sampling else []
@@ -220,29 +252,60 @@ class DecodeGraphs:
         for batch in self.full_batch_sizes:
             variants[batch] = variants.get(batch, []) + list(full_variants)
         if first_batch is not None:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for variant in (GREEDY, RANDOM, *full_variants):
-                    started = time.perf_counter()
-                    body(slot, first_batch, variant)
-                    if stream is not None:
-                        stream.synchronize()
-                    self.first_run_s[variant] = time.perf_counter() - started
-                    if variant is GREEDY and after_first_run is not None:
-                        after_first_run()
-        bodies = {
-            (batch, variant): functools.partial(body, slot, batch, variant)
-            for batch in sorted(variants, reverse=True)
-            for variant in variants[batch]
-        }
+            self._first_runs(forward, sample, slot, stream, first_batch, full_variants,
+                             after_first_run)  # fmt: skip
+        buckets = sorted(variants, reverse=True)
         if stream is None:
-            self._graphs.update((key, _BoundBody(bound)) for key, bound in bodies.items())
+            for batch in buckets:
+                bound_forward = functools.partial(forward, slot, batch)
+                for variant in variants[batch]:
+                    bound_sample = functools.partial(sample, slot, batch, variant)
+                    self._graphs[batch, variant] = _BoundPair(bound_forward, bound_sample)
             return
         pool = torch.cuda.graph_pool_handle()
+        times = self.capture_times
         # After the first runs, which compile and make garbage; see ``collector_paused``.
-        with self.capture_times.collections, collector_paused():
-            for key, bound in bodies.items():
-                self._graphs[key] = _capture(bound, stream, pool, self.capture_times)
+        with times.collections, collector_paused():
+            for batch in buckets:
+                forward_graph, outputs = _capture(
+                    functools.partial(forward, slot, batch), stream, pool, times
+                )
+                # The outputs are the pool's while the sampling graphs that read them are
+                # captured, then free for the next buckets' graphs: a pair replays alone.
+                with torch.cuda.stream(stream):
+                    forward_graph.replay()  # values for the samplers' uncaptured runs
+                for variant in variants[batch]:
+                    sample_graph, _ = _capture(
+                        functools.partial(sample, slot, batch, variant, outputs),
+                        stream,
+                        pool,
+                        times,
+                    )
+                    self._graphs[batch, variant] = _GraphPair(forward_graph, sample_graph)
+                del outputs
             torch.cuda.synchronize()
+
+    def _first_runs(
+        self,
+        forward: DecodeForward[SlotT],
+        sample: DecodeSampling[SlotT],
+        slot: SlotT,
+        stream: torch.cuda.Stream | None,
+        batch: int,
+        full_variants: Sequence[GraphVariant],
+        after_first_run: Callable[[], None] | None,
+    ) -> None:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            started = time.perf_counter()
+            outputs = forward(slot, batch)
+            for variant in (GREEDY, RANDOM, *full_variants):
+                sample(slot, batch, variant, outputs)
+                if stream is not None:
+                    stream.synchronize()
+                self.first_run_s[variant] = time.perf_counter() - started
+                if variant is GREEDY and after_first_run is not None:
+                    after_first_run()
+                started = time.perf_counter()
 
     def find(self, step: Step, *, truncation: bool = False) -> Replayable | None:
         """The graph that runs ``step``, or None if it must run eagerly.
@@ -267,10 +330,11 @@ class DecodeGraphs:
 
 
 def _capture(
-    body: Callable[[], None], stream: torch.cuda.Stream, pool: object, times: CaptureTimes
-) -> Replayable:
+    body: Callable[[], T], stream: torch.cuda.Stream, pool: object, times: CaptureTimes
+) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run ``body`` once uncaptured (lazy initialisation happens there, outside the graph),
-    then capture it on ``stream`` into ``pool``.
+    then capture it on ``stream`` into ``pool``; the graph and what the captured run
+    returned (tensors of the pool, which each replay writes).
 
     Not through ``torch.cuda.graph``: entering it empties the allocator's caches, device and
     host, to free memory for the graph, so each of a few hundred captures freed what the
@@ -287,7 +351,7 @@ def _capture(
     with torch.cuda.stream(stream):
         graph.capture_begin(pool)
         try:
-            body()
+            result = body()
         except BaseException:
             with contextlib.suppress(RuntimeError):  # the capture is invalid: end it anyway
                 graph.capture_end()
@@ -298,4 +362,4 @@ def _capture(
     times.waits_s += waited - ran
     times.captured_runs_s += captured - waited
     times.instantiations_s += time.perf_counter() - captured
-    return graph
+    return graph, result

@@ -64,6 +64,7 @@ from cbpipe.worker.compiling import (
 )
 from cbpipe.worker.cuda_graphs import (
     DecodeGraphs,
+    ForwardOutputs,
     GraphVariant,
     Replayable,
     capture_blocker,
@@ -413,7 +414,8 @@ class StepRunner:
         assert self.graph_slot is not None
         with decode_compile_settings(), CollectionClock() as collections:
             self.graphs.capture(
-                self._graph_body,
+                self._graph_forward,
+                self._graph_sample,
                 batch_sizes=batch_sizes,
                 slot=self.graph_slot,
                 stream=self.compute_stream,
@@ -765,22 +767,15 @@ class StepRunner:
         out.prompt_top_logprobs.view(-1, k).index_copy_(0, kept, top_logprobs)
 
     @torch.inference_mode()
-    def _graph_body(self, slot: DeviceSlot, batch: int, variant: GraphVariant) -> None:
-        """A decode-only step padded to ``batch`` rows, with no host value that varies.
+    def _graph_forward(self, slot: DeviceSlot, batch: int) -> ForwardOutputs:
+        """A decode graph's forward half: a decode-only step padded to ``batch`` rows, with no
+        host value that varies, up to its logits ``[batch, vocab]``, which rows are real
+        (``[batch]`` bool) and the rows' input ids after carry-over.
 
         How many rows are real and how wide the block tables are come from the slot header's
         device copy; padding rows store no keys and attend nothing, and their samples land
-        past the ``num_seqs`` rows anyone reads. A FULL step's resets and bias entries ran
-        before the replay (``_prepare_state``).
+        past the ``num_seqs`` rows anyone reads.
         """
-        logits, valid, input_ids = self._decode_forward(slot, batch)
-        self.sampling.sample_decode_rows(slot, logits, batch, variant, valid, input_ids)
-
-    def _decode_forward(
-        self, slot: DeviceSlot, batch: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The forward of a padded decode-only step: logits ``[batch, vocab]``, which rows are
-        real (``[batch]`` bool) and the rows' input ids after carry-over."""
         inputs = slot.inputs
         valid = real_rows(slot, self._row_ids, batch)
         input_ids = self._carry_over(inputs, batch, valid)
@@ -796,6 +791,14 @@ class StepRunner:
         positions = inputs.positions[:batch]
         logits = self._forward(input_ids, positions, paged, logits_rows=0)
         return logits, valid, input_ids
+
+    def _graph_sample(
+        self, slot: DeviceSlot, batch: int, variant: GraphVariant, outputs: ForwardOutputs
+    ) -> None:
+        """A decode graph's sampling half, from its forward half's outputs. A FULL step's
+        resets and bias entries ran before the replay (``_prepare_state``)."""
+        logits, valid, input_ids = outputs
+        self.sampling.sample_decode_rows(slot, logits, batch, variant, valid, input_ids)
 
     def _carry_over(
         self, inputs: StepInputs[torch.Tensor], num_rows: int, valid: torch.Tensor | None

@@ -50,35 +50,74 @@ def _step(**fields: object) -> Step:
     return dataclasses.replace(step, **fields)
 
 
+class _Halves:
+    """Records the calls of a decode body's two halves; the forward's outputs name its batch."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def forward(self, slot: str, batch: int) -> tuple[object, ...]:
+        self.calls.append(("forward", slot, batch))
+        return ("outputs of", batch)
+
+    def sample(self, slot: str, batch: int, variant: GraphVariant, outputs: object) -> None:
+        self.calls.append(("sample", slot, batch, variant, outputs))
+
+
 def test_a_first_batch_runs_before_every_capture_in_every_variant() -> None:
-    calls: list[tuple[str, int, GraphVariant]] = []
+    halves = _Halves()
     graphs = DecodeGraphs()
     graphs.capture(
-        lambda slot, batch, variant: calls.append((slot, batch, variant)),
+        halves.forward,  # type: ignore[arg-type]
+        halves.sample,  # type: ignore[arg-type]
         batch_sizes=[1, 2, 4, 8, 16, 32, 64],
         slot="graph slot",
         stream=None,
         first_batch=32,
     )
-    # The CPU runs bodies at replay only.
-    assert calls == [("graph slot", 32, v) for v in (GREEDY, RANDOM, *FULL_VARIANTS)]
+    # One forward at the first batch feeds every variant's sampling; the CPU runs the bodies
+    # at replay only.
+    assert halves.calls == [("forward", "graph slot", 32)] + [
+        ("sample", "graph slot", 32, v, ("outputs of", 32))
+        for v in (GREEDY, RANDOM, *FULL_VARIANTS)
+    ]
     assert graphs.full_batch_sizes == [8, 16, 32, 64]
     assert len(graphs) == 7 * 2 + 4 * 4  # one set, whatever slot a step comes in
-    graphs.find(_step()).replay()
-    assert calls[-1] == ("graph slot", 32, GREEDY)
+
+    def replayed(step: Step, **kwargs: bool) -> list[tuple[object, ...]]:
+        before = len(halves.calls)
+        graph = graphs.find(step, **kwargs)
+        assert graph is not None
+        graph.replay()
+        return halves.calls[before:]
+
+    def pair(batch: int, variant: GraphVariant) -> list[tuple[object, ...]]:
+        return [
+            ("forward", "graph slot", batch),
+            ("sample", "graph slot", batch, variant, ("outputs of", batch)),
+        ]
+
+    assert replayed(_step()) == pair(32, GREEDY)
     assert graphs.find(_step(slot=0)) is graphs.find(_step(slot=1))
-    graphs.find(_step(sampling=SamplingMode.RANDOM, num_seqs=3, num_single_token_seqs=3)).replay()
-    assert calls[-1] == ("graph slot", 4, RANDOM)
+    random = _step(sampling=SamplingMode.RANDOM, num_seqs=3, num_single_token_seqs=3)
+    assert replayed(random) == pair(4, RANDOM)
     full = _step(sampling=SamplingMode.FULL, num_seqs=3, num_single_token_seqs=3)
-    graphs.find(full).replay()
-    assert calls[-1] == ("graph slot", 8, GraphVariant(SamplingMode.FULL))
-    graphs.find(dataclasses.replace(full, top_logprobs=True), truncation=True).replay()
-    assert calls[-1] == ("graph slot", 8, GraphVariant(SamplingMode.FULL, True, True))
+    assert replayed(full) == pair(8, GraphVariant(SamplingMode.FULL))
+    assert replayed(dataclasses.replace(full, top_logprobs=True), truncation=True) == pair(
+        8, GraphVariant(SamplingMode.FULL, True, True)
+    )
 
 
 def test_prefill_and_prompt_log_probability_steps_run_eagerly() -> None:
     graphs = DecodeGraphs()
-    graphs.capture(lambda *_: None, batch_sizes=[1, 2, 4], slot="graph slot", stream=None)
+    halves = _Halves()
+    graphs.capture(
+        halves.forward,  # type: ignore[arg-type]
+        halves.sample,  # type: ignore[arg-type]
+        batch_sizes=[1, 2, 4],
+        slot="graph slot",
+        stream=None,
+    )
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=2)) is not None
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=1)) is None
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=2, prompt_logprobs=True)) is None
