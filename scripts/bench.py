@@ -249,6 +249,7 @@ _STARTUP_MARKS = (
     "imports and checks",
     " ready: ",
     "compiled ahead",
+    "saved trace's guards",  # a sampler compiled again: its trace was refused
     "inductor cache",
     "triton cache",
     " WARNING ",  # at every log level: what the engine warned of, at its start or stop

@@ -792,6 +792,7 @@ class StepRunner:
         logits = self._forward(input_ids, positions, paged, logits_rows=0)
         return logits, valid, input_ids
 
+    @torch.inference_mode()  # as the compile-ahead processes trace the samplers
     def _graph_sample(
         self, slot: DeviceSlot, batch: int, variant: GraphVariant, outputs: ForwardOutputs
     ) -> None:

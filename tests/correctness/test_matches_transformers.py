@@ -216,6 +216,30 @@ def test_decode_graph_bodies_with_the_triton_kernel_match_generate(
 
 
 @needs_embedded
+def test_the_sampling_half_of_every_decode_graph_runs_in_inference_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compile-ahead processes trace and save the samplers under inference mode; a
+    sampling half run outside it fails the saved traces' guards, and the worker compiles
+    every sampler again (seconds of each start-up, as an H200 call showed)."""
+    engine = InProcessEngine(
+        EMBEDDED, max_batch_tokens=64, max_num_seqs=4, attention_backend="triton"
+    )
+    sampling, modes = engine.runner.sampling, []
+    sample_decode_rows = sampling.sample_decode_rows
+
+    def recording(*args: object, **kwargs: object) -> None:
+        modes.append(torch.is_inference_mode_enabled())
+        sample_decode_rows(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling, "sample_decode_rows", recording)
+    for graph in engine.runner.graphs:
+        graph.replay()
+    assert len(modes) == len(engine.runner.graphs) > 0
+    assert all(modes), modes
+
+
+@needs_embedded
 def test_triton_prefill_and_decode_kernels_match_generate() -> None:
     """Both Triton kernels in the engine (under the interpreter on the CPU): prompts longer
     than the token budget, so their chunks attend to earlier chunks in the cache, mixed with
