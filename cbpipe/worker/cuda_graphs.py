@@ -15,8 +15,8 @@ The body is two graphs: the forward (carry-over and the model, up to the logits)
 bucket, and the sampling (and writing the outputs), once per bucket and variant, reading the
 forward graph's outputs; a replay launches the pair. Capturing is the host's Python running
 each body (twice: once uncaptured, then under capture), and the forward is nearly all of it,
-so capturing it once per bucket rather than once per variant took most of the capture off
-the start-up (docs/PERFORMANCE.md) for one more graph launch a step.
+so capturing it once per bucket rather than once per variant halved the capture
+(docs/PERFORMANCE.md) for one more graph launch a step.
 
 The variants are greedy and temperature-only sampling at every bucket, and the full sampler
 (``SamplingMode.FULL``: penalties, logit bias, min_p, top-k, top-p) at coarser buckets
@@ -252,8 +252,9 @@ class DecodeGraphs:
         for batch in self.full_batch_sizes:
             variants[batch] = variants.get(batch, []) + list(full_variants)
         if first_batch is not None:
-            self._first_runs(forward, sample, slot, stream, first_batch, full_variants,
-                             after_first_run)  # fmt: skip
+            self._first_runs(
+                forward, sample, slot, stream, first_batch, full_variants, after_first_run
+            )
         buckets = sorted(variants, reverse=True)
         if stream is None:
             for batch in buckets:
@@ -295,6 +296,7 @@ class DecodeGraphs:
         full_variants: Sequence[GraphVariant],
         after_first_run: Callable[[], None] | None,
     ) -> None:
+        """One forward at ``batch``, and every variant's sampling of its outputs, timed."""
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             started = time.perf_counter()
             outputs = forward(slot, batch)
