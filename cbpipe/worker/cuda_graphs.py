@@ -43,7 +43,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from cbpipe.collector import CollectionClock, collector_paused
+from cbpipe.collector import collector_paused
 from cbpipe.protocol.messages import SamplingMode, Step
 
 SlotT = TypeVar("SlotT")
@@ -102,14 +102,12 @@ class CaptureTimes:
     waits_s: float = 0.0  # for the device to finish an uncaptured run
     captured_runs_s: float = 0.0  # each body under capture: host time, no device work
     instantiations_s: float = 0.0  # ``capture_end``: the graph made executable
-    collections: CollectionClock = dataclasses.field(default_factory=CollectionClock)
 
     def describe(self) -> str:
         return (
             f"uncaptured runs {self.uncaptured_runs_s:.2f} s, waits {self.waits_s:.2f} s, "
             f"captured runs {self.captured_runs_s:.2f} s, "
-            f"instantiations {self.instantiations_s:.2f} s, "
-            f"garbage collection {self.collections.describe()}"
+            f"instantiations {self.instantiations_s:.2f} s"
         )
 
 
@@ -266,7 +264,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         times = self.capture_times
         # After the first runs, which compile and make garbage; see ``collector_paused``.
-        with times.collections, collector_paused():
+        with collector_paused():
             for batch in buckets:
                 forward_graph, outputs = _capture(
                     functools.partial(forward, slot, batch), stream, pool, times

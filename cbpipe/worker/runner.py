@@ -35,7 +35,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from cbpipe.collector import CollectionClock
 from cbpipe.protocol.messages import SamplingMode, Step, StepDone
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
@@ -412,7 +411,7 @@ class StepRunner:
         compiles_before = dynamo_graphs()
         started = time.perf_counter()
         assert self.graph_slot is not None
-        with decode_compile_settings(), CollectionClock() as collections:
+        with decode_compile_settings():  # where the bodies compile
             self.graphs.capture(
                 self._graph_forward,
                 self._graph_sample,
@@ -431,13 +430,12 @@ class StepRunner:
         self.startup_seconds["capture"] = elapsed - first_runs - warm_up
         log.info(
             "captured %d decode graphs (batch sizes %s, full sampler at %s) in %.1f s%s; "
-            "garbage collection %s; the captures proper: %s",
+            "the captures proper: %s",
             len(self.graphs),
             self.graphs.batch_sizes,
             self.graphs.full_batch_sizes,
             elapsed,
             self._compile_summary(compiles_before) if self.compiled else "",
-            collections.describe(),
             self.graphs.capture_times.describe(),
         )
         if self.compiled:

@@ -121,12 +121,10 @@ class StepSampling:
         # ordered after the write by the compute stream.
         self.last_sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
 
+        traces = saved if compiled else None  # eager samplers have no trace
+
         def graph_sampler(fn: Callable, compiled_fn: Callable, trace: str) -> Callable:
-            if not compiled:
-                return fn
-            if saved is None:
-                return compiled_fn
-            return saved.compiled(fn, trace, fallback=compiled_fn)
+            return compiled_fn if traces is None else traces.compiled(fn, trace, compiled_fn)
 
         compiled_sample = compile_decode_fn(sample) if compiled else sample
         compiled_full = compile_decode_fn(sample_full) if compiled else sample_full
