@@ -57,7 +57,6 @@ Triton's CPU interpreter (``TRITON_INTERPRET=1`` before this module is imported)
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -87,8 +86,6 @@ _NUM_STAGES = 2
 _SPLIT_PROGRAMS_PER_SM = 2
 # KV heads a program takes by default: adjacent heads until they span this many dims.
 _PACKED_HEAD_DIM = 128
-# EXPERIMENT: programmatic dependent launch of both kernels (CBPIPE_DEPENDENT_LAUNCH=1).
-_DEPENDENT_LAUNCH = os.environ.get("CBPIPE_DEPENDENT_LAUNCH") == "1"
 
 
 class NewRows(NamedTuple):
@@ -168,10 +165,7 @@ def _split_kv_kernel(
     WRITE_OUTPUT: tl.constexpr,
     STORE_NEW: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    DEPENDENT_LAUNCH: tl.constexpr = False,
 ):
-    if DEPENDENT_LAUNCH:
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) * PACK  # the first of the program's PACK KV heads
     split = tl.program_id(2)
@@ -295,10 +289,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    DEPENDENT_LAUNCH: tl.constexpr = False,
 ):
-    if DEPENDENT_LAUNCH:
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -332,12 +323,6 @@ _INTERPRETED = not isinstance(_split_kv_kernel, triton.runtime.jit.JITFunction)
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _dependent_launch(device: torch.device) -> dict:
-    if not _DEPENDENT_LAUNCH or device.type != "cuda" or _INTERPRETED:
-        return {}
-    return {"DEPENDENT_LAUNCH": True, "launch_pdl": True}
 
 
 def num_splits_for(num_pairs: int, num_sms: int) -> int:
@@ -555,7 +540,6 @@ def paged_decode_attention(
         INTERPRETED=_INTERPRETED,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
-        **_dependent_launch(query.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -572,7 +556,6 @@ def paged_decode_attention(
             # One variant for every split count of the default policy, so the split count,
             # which follows the batch size, never compiles a new merge kernel mid-run.
             SPLITS_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
-            **_dependent_launch(query.device),
         )
     return out
 
