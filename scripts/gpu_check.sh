@@ -419,7 +419,7 @@ if want startup; then
                 --num-requests 4 --prompt-len 16 --output-len 16 --modes async \
                 --launch-arg=--log-level=info \
                 ${flags[@]+"${flags[@]/#/--launch-arg=}"} --json "$OUT/startup_$name.json" |
-                grep -E "start-up|captured|engine start|saved"
+                grep -E "start-up|captured|engine start|saved|imports and checks| ready: "
             echo "$name [${flags[*]}]: exit code ${PIPESTATUS[0]}"
         }
         launch warming
