@@ -14,6 +14,10 @@
 #   gemm     scripts/bench_matmul.py --only-candidate: the tiled split-K Triton candidate swept
 #            against cuBLAS and cuBLASLt for q|k|v, o and down of GEMM_MODEL at GEMM_BATCH rows
 #            (random:llama-1b at 256: the products bound by arithmetic there)     (~4 min)
+#   chain    scripts/bench_layer_chain.py: a decode layer's kernels without attention at
+#            CHAIN_ROWS rows of CHAIN_MODEL (random:llama-8b x32), 32 layers from a CUDA graph:
+#            the engine's chain (cuBLASLt's products, inductor-like small kernels) against
+#            Triton products with the norms and residual adds fused in (~1 min)
 #   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
 #            with and without --fuse-projections                                 (~1 min)
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
@@ -292,6 +296,18 @@ if want gemm; then
         echo "exit code $?"
     } 2>&1 | tee "$OUT/gemm.log"
     rcs+=("gemm=$(grep '^exit code' "$OUT/gemm.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want chain; then
+    {
+        section "a decode layer's chain without attention, ${CHAIN_MODEL:-random:llama-8b} x${CHAIN_ROWS:-32}"
+        timeout -k 10 120 "$PY" scripts/bench_layer_chain.py --self-check
+        timeout -k 10 "${CHAIN_TIMEOUT:-240}" "$PY" scripts/bench_layer_chain.py \
+            --model "${CHAIN_MODEL:-random:llama-8b}" --rows "${CHAIN_ROWS:-32}" \
+            --json "$OUT/chain.json"
+        echo "exit code $?"
+    } 2>&1 | tee "$OUT/chain.log"
+    rcs+=("chain=$(grep '^exit code' "$OUT/chain.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want step; then

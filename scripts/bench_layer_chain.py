@@ -1,0 +1,433 @@
+"""A decode layer's kernels at a few dozen rows, attention left out: the engine's chain
+against Triton products that take the small kernels between them in.
+
+    python scripts/bench_layer_chain.py [--model random:llama-8b] [--rows 32] [--layers 32]
+                                        [--json PATH]
+    python scripts/bench_layer_chain.py --self-check
+
+At a decode step's 32 rows every product is bound by its weight's bytes, and between them
+the compiled layer runs five small kernels: the input RMSNorm, rotary, the residual add with
+the second norm, SiLU-and-multiply, and the residual add at the layer's end (a kernel of its
+own because each layer is its own graph). Each is a launch with a ramp and a tail, a few
+microseconds where its bytes would take well under one. A product that streams its weight
+can take most of them in:
+
+* the input norm as a prologue and epilogue: the norm's weight folded into the product's
+  weight once, at load; each row's 1/rms from the sum of squares of the row the program
+  streams anyway; the program's outputs scaled by it at the end;
+* the previous layer's residual add with it: the program adds the two inputs as it streams
+  them, and each K tile of the sum (the next residual) is written by one program;
+* o's residual add as an epilogue.
+
+SiLU-and-multiply and down stay as they are: each of down's programs would read the whole
+gate|up output.
+
+Chains timed, each over ``--layers`` layers with weights of their own (past the L2, as a
+model's are), replayed from a CUDA graph:
+
+* ``engine``: the small kernels in Triton, one where inductor has one (the norm; an
+  element-wise kernel in rotary's place; add and norm; SiLU-and-multiply; the boundary add),
+  and cuBLASLt's products through ``F.linear``, as the worker calls them;
+* ``triton products``: the same with this script's products for q|k|v, o and gate|up, nothing
+  fused: what the products alone cost against cuBLASLt's;
+* ``fused``: q|k|v with the boundary add and the input norm, o with the residual add, gate|up
+  with the norm; cuBLASLt's down;
+* ``fused, cuBLASLt gate|up``: fused q|k|v and o, then the norm kernel and cuBLASLt's gate|up.
+
+The products tile the weight's rows across programs and keep the batch's rows whole and the
+full depth in one loop (the weight is the operand that streams; the rows stay in L2).
+``--self-check`` runs every kernel against torch at small sizes and exits: on a GPU if there
+is one, else under Triton's CPU interpreter. Nothing in the engine uses these kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_EPS = 1e-5
+# (weight rows a program, depth a loop step, warps, stages): the best of a sweep at 32 rows
+# on an H200 (docs/PERFORMANCE.md, session 24).
+QKV_TILES = (64, 256, 4, 4)
+O_TILES = (32, 256, 4, 4)
+GATE_UP_TILES = (64, 128, 4, 4)
+
+
+@functools.cache
+def _kernels():  # type: ignore[no-untyped-def]
+    """The Triton kernels, built on first use (after --self-check may set TRITON_INTERPRET)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def product_kernel(
+        x_ptr, w_ptr, res_ptr, out_ptr, rows,
+        K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, RESIDUAL: tl.constexpr,
+    ):  # fmt: skip
+        """out = x @ w.T (+ res): a program per BLOCK_N weight rows, every batch row."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        row_ok = (rm < rows)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            w = tl.load(w_ptr + rn[:, None] * K + (k + rk)[None, :])
+            x = tl.load(x_ptr + rm[None, :] * K + (k + rk)[:, None], mask=row_ok, other=0.0)
+            acc = tl.dot(w, x, acc)
+        out = out_ptr + rm[None, :] * N + rn[:, None]
+        y = acc.to(out_ptr.dtype.element_ty)
+        if RESIDUAL:  # rounded as eager rounds the product before the add
+            res = tl.load(res_ptr + rm[None, :] * N + rn[:, None], mask=row_ok, other=0.0)
+            y = (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out, y, mask=row_ok)
+
+    @triton.jit
+    def norm_product_kernel(
+        a_ptr, b_ptr, sum_ptr, w_ptr, out_ptr, rows, eps,
+        K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, ADD: tl.constexpr,
+    ):  # fmt: skip
+        """out = rmsnorm(a (+ b)) @ w.T, the norm's weight already folded into w; with ADD the
+        sum a + b is also written to sum_ptr, each K tile by one program."""
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        row_ok = (rm < rows)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for tile in range(0, K // BLOCK_K):
+            offsets = rm[None, :] * K + (tile * BLOCK_K + rk)[:, None]
+            w = tl.load(w_ptr + rn[:, None] * K + (tile * BLOCK_K + rk)[None, :])
+            x = tl.load(a_ptr + offsets, mask=row_ok, other=0.0)
+            if ADD:
+                b = tl.load(b_ptr + offsets, mask=row_ok, other=0.0)
+                x = (x.to(tl.float32) + b.to(tl.float32)).to(a_ptr.dtype.element_ty)
+                owner = (rm * 0 + tile % tl.num_programs(0)) == pid
+                tl.store(sum_ptr + offsets, x, mask=row_ok & owner[None, :])
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, 0)
+            acc = tl.dot(w, x, acc)
+        scale = tl.rsqrt(squares / K + eps)
+        out = out_ptr + rm[None, :] * N + rn[:, None]
+        tl.store(out, (acc * scale[None, :]).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def rms_norm_kernel(
+        x_ptr, res_ptr, weight_ptr, out_ptr, sum_ptr, eps,
+        N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+    ):  # fmt: skip
+        """out = rmsnorm(x (+ res)) * weight, a program a row; with ADD the sum to sum_ptr."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0)
+        if ADD:
+            res = tl.load(res_ptr + row * N + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * N + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)).to(x_ptr.dtype.element_ty)
+        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
+        tl.store(out_ptr + row * N + cols, normed * weight, mask=ok)
+
+    @triton.jit
+    def elementwise_kernel(
+        a_ptr, b_ptr, out_ptr, stride_a,
+        N: tl.constexpr, BLOCK: tl.constexpr, OP: tl.constexpr,
+    ):  # fmt: skip
+        """OP 0: out = a[:, :N] * 1.0001 (rotary's place: its reads and writes, little work);
+        1: out = silu(a[:, :N]) * a[:, N:2N]; 2: out = a + b."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
+        if OP == 0:
+            y = a * 1.0001
+        elif OP == 1:
+            up = tl.load(a_ptr + row * stride_a + N + cols, mask=ok, other=0.0).to(tl.float32)
+            y = a / (1.0 + tl.exp(-a)) * up
+        else:
+            y = a + tl.load(b_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return triton, product_kernel, norm_product_kernel, rms_norm_kernel, elementwise_kernel
+
+
+def _block_m(rows: int) -> int:
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def product(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    tiles: tuple[int, int, int, int],
+    residual: torch.Tensor | None = None,
+) -> None:
+    """out = x @ w.T (+ residual), every tensor contiguous."""
+    _, kernel, _, _, _ = _kernels()
+    block_n, block_k, warps, stages = tiles
+    n, k = w.shape
+    kernel[(n // block_n,)](
+        x, w, x if residual is None else residual, out, x.shape[0], K=k, N=n,
+        BLOCK_M=_block_m(x.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k,
+        RESIDUAL=residual is not None, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def norm_product(
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    total: torch.Tensor | None,
+    w_folded: torch.Tensor,
+    out: torch.Tensor,
+    tiles: tuple[int, int, int, int],
+) -> None:
+    """out = rmsnorm(a (+ b)) @ w_folded.T; with b, a + b is written to ``total``."""
+    _, _, kernel, _, _ = _kernels()
+    block_n, block_k, warps, stages = tiles
+    n, k = w_folded.shape
+    kernel[(n // block_n,)](
+        a, a if b is None else b, a if total is None else total, w_folded, out, a.shape[0],
+        _EPS, K=k, N=n, BLOCK_M=_block_m(a.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k,
+        ADD=b is not None, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
+) -> None:
+    """out = rmsnorm(x (+ residual)) * weight; with a residual, the sum to ``total``."""
+    triton, _, _, kernel, _ = _kernels()
+    rows, n = x.shape
+    kernel[(rows,)](
+        x, x if residual is None else residual, weight, out, x if total is None else total,
+        _EPS, N=n, BLOCK=triton.next_power_of_2(n), ADD=residual is not None,
+    )  # fmt: skip
+
+
+def elementwise(op: int, a: torch.Tensor, out: torch.Tensor, b: torch.Tensor | None = None) -> None:
+    """``elementwise_kernel``'s OP over ``out``'s columns (0: rotary's place, 1: SiLU and
+    multiply of a's two halves, 2: a + b)."""
+    _, _, _, _, kernel = _kernels()
+    rows, n = out.shape
+    block = 1024
+    kernel[(rows, -(-n // block))](
+        a, a if b is None else b, out, a.stride(0), N=n, BLOCK=block, OP=op
+    )
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_folded: torch.Tensor  # the input norm's weight folded in, column by column
+    gate_up_folded: torch.Tensor
+
+    @classmethod
+    def random(cls, hidden: int, qkv: int, inter: int, device: str, dtype: torch.dtype):
+        def weight(n: int, k: int) -> torch.Tensor:
+            return (torch.randn(n, k, device=device) * 0.02).to(dtype)
+
+        def norm() -> torch.Tensor:
+            return (torch.rand(hidden, device=device) + 0.5).to(dtype)
+
+        qkv_w, gate_up_w = weight(qkv, hidden), weight(2 * inter, hidden)
+        input_norm, post_norm = norm(), norm()
+        return cls(
+            qkv_w, weight(hidden, hidden), gate_up_w, weight(hidden, inter), input_norm,
+            post_norm, (qkv_w.float() * input_norm.float()).to(dtype),
+            (gate_up_w.float() * post_norm.float()).to(dtype),
+        )  # fmt: skip
+
+
+class Activations:
+    """A step's activations, reused by every layer (as the graph's pool reuses them)."""
+
+    def __init__(self, rows: int, hidden: int, qkv: int, inter: int, device: str, dtype):
+        def buffer(n: int) -> torch.Tensor:
+            return torch.randn(rows, n, device=device).to(dtype)
+
+        self.hidden, self.residual, self.mlp_out = buffer(hidden), buffer(hidden), buffer(hidden)
+        self.normed, self.attn, self.o = buffer(hidden), buffer(hidden), buffer(hidden)
+        self.qkv, self.gate_up, self.act = buffer(qkv), buffer(2 * inter), buffer(inter)
+
+
+def engine_layer(w: LayerWeights, x: Activations, triton_products: bool = False) -> None:
+    """The worker's compiled layer, attention left out."""
+
+    def linear(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles) -> torch.Tensor:
+        if not triton_products:
+            return F.linear(inp, weight)
+        product(inp, weight, out, tiles)
+        return out
+
+    rms_norm(x.hidden, w.input_norm, x.normed)
+    qkv = linear(x.normed, w.qkv, x.qkv, QKV_TILES)
+    elementwise(0, qkv, x.attn)
+    o = linear(x.attn, w.o, x.o, O_TILES)
+    rms_norm(o, w.post_norm, x.normed, residual=x.hidden, total=x.residual)
+    gate_up = linear(x.normed, w.gate_up, x.gate_up, GATE_UP_TILES)
+    elementwise(1, gate_up, x.act)
+    torch.mm(x.act, w.down.t(), out=x.mlp_out)
+    elementwise(2, x.residual, x.hidden, x.mlp_out)  # the boundary add
+
+
+def fused_layer(w: LayerWeights, x: Activations, fuse_gate_up: bool = True) -> None:
+    """The same layer with the products taking the norms and residual adds in; the
+    boundary add moves into the next layer's q|k|v."""
+    norm_product(x.residual, x.mlp_out, x.hidden, w.qkv_folded, x.qkv, QKV_TILES)
+    elementwise(0, x.qkv, x.attn)
+    product(x.attn, w.o, x.residual, O_TILES, residual=x.hidden)
+    gate_up = x.gate_up
+    if fuse_gate_up:
+        norm_product(x.residual, None, None, w.gate_up_folded, gate_up, GATE_UP_TILES)
+    else:
+        rms_norm(x.residual, w.post_norm, x.normed)
+        gate_up = F.linear(x.normed, w.gate_up)
+    elementwise(1, gate_up, x.act)
+    torch.mm(x.act, w.down.t(), out=x.mlp_out)
+
+
+def graph_us(fn: Callable[[], None], repeats: int = 15) -> float:
+    """The median of ``repeats`` replays of ``fn`` captured in one CUDA graph, in us."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def self_check() -> None:
+    """Each kernel against torch at sizes the interpreter gets through quickly."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before _kernels() imports triton
+    torch.manual_seed(0)
+    rows, hidden, out_features = 5, 256, 64
+    tiles = (16, 128, 1, 1)
+
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        print(f"ok: {what}")
+
+    def reference_norm(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        v = v.float()
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + _EPS) * weight.float()
+
+    a = torch.randn(rows, hidden, device=device).to(dtype)
+    b = torch.randn(rows, hidden, device=device).to(dtype)
+    w = (torch.randn(out_features, hidden, device=device) * 0.1).to(dtype)
+    g = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+    res = torch.randn(rows, out_features, device=device).to(dtype)
+    out = torch.empty(rows, out_features, device=device, dtype=dtype)
+
+    product(a, w, out, tiles)
+    close(out, a.float() @ w.float().T, "product")
+    product(a, w, out, tiles, residual=res)
+    close(out, res.float() + a.float() @ w.float().T, "product with the residual add")
+
+    folded = (w.float() * g.float()).to(dtype)
+    total = torch.zeros_like(a)
+    norm_product(a, b, total, folded, out, tiles)
+    summed = (a.float() + b.float()).to(dtype)
+    close(total, summed, "the sum, written once")
+    close(out, reference_norm(summed, g) @ w.float().T, "add, norm and product")
+    norm_product(a, None, None, folded, out, tiles)
+    close(out, reference_norm(a, g) @ w.float().T, "norm and product")
+
+    normed, total = torch.empty_like(a), torch.zeros_like(a)
+    rms_norm(a, g, normed)
+    close(normed, reference_norm(a, g), "norm")
+    rms_norm(a, g, normed, residual=b, total=total)
+    close(normed, reference_norm(summed, g), "add and norm")
+    close(total, summed, "add and norm's sum")
+
+    wide = torch.randn(rows, 2 * hidden, device=device).to(dtype)
+    half = torch.empty(rows, hidden, device=device, dtype=dtype)
+    elementwise(1, wide, half)
+    close(half, F.silu(wide[:, :hidden].float()) * wide[:, hidden:].float(), "SiLU and multiply")
+    elementwise(2, a, half, b)
+    close(half, a.float() + b.float(), "add")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random:llama-8b")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--self-check", action="store_true", help=self_check.__doc__)
+    args = parser.parse_args(argv)
+    if args.self_check:
+        self_check()
+        return 0
+    if not torch.cuda.is_available():
+        sys.exit("bench_layer_chain.py times CUDA kernels: no GPU here (--self-check runs on CPU)")
+
+    from cbpipe.models import resolve_model
+    from cbpipe.worker.blas import use_blas_library
+
+    text = resolve_model(args.model).config.get_text_config()
+    heads, hidden = text.num_attention_heads, text.hidden_size
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    qkv = (heads + 2 * kv_heads) * head_dim
+    inter = text.intermediate_size
+    print(f"{args.model}: {args.rows} rows, hidden {hidden}, q|k|v {qkv}, intermediate {inter}")
+    device, dtype = "cuda", torch.bfloat16
+    use_blas_library("auto", torch.device(device))
+    weights = [LayerWeights.random(hidden, qkv, inter, device, dtype) for _ in range(args.layers)]
+    x = Activations(args.rows, hidden, qkv, inter, device, dtype)
+    chains: dict[str, Callable[[LayerWeights], None]] = {
+        "engine": lambda w: engine_layer(w, x),
+        "triton products": lambda w: engine_layer(w, x, triton_products=True),
+        "fused": lambda w: fused_layer(w, x),
+        "fused, cuBLASLt gate|up": lambda w: fused_layer(w, x, fuse_gate_up=False),
+    }
+    results: dict[str, list[float]] = {name: [] for name in chains}
+    for _ in range(2):  # twice, alternating, so a host's drift shows as a spread
+        for name, layer in chains.items():
+            us = graph_us(lambda layer=layer: [layer(w) for w in weights])
+            results[name].append(us / args.layers)
+    for name, runs in results.items():
+        print(f"{name:>24}: {' '.join(f'{r:6.1f}' for r in runs)} us a layer")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "rows": args.rows, "us_a_layer": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
