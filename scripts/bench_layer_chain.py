@@ -27,7 +27,8 @@ model's are), replayed from a CUDA graph:
 
 * ``engine``: the small kernels in Triton, one where inductor has one (the norm; an
   element-wise kernel in rotary's place; add and norm; SiLU-and-multiply; the boundary add),
-  and cuBLASLt's products through ``F.linear``, as the worker calls them;
+  and cuBLASLt's products through ``F.linear``, as the worker calls them (down, the same in
+  every chain, through ``torch.mm`` into a buffer the next layer reads);
 * ``triton products``: the same with this script's products for q|k|v, o and gate|up, nothing
   fused: what the products alone cost against cuBLASLt's;
 * ``fused``: q|k|v with the boundary add and the input norm, o with the residual add, gate|up
@@ -50,6 +51,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +64,19 @@ O_TILES = (32, 256, 4, 4)
 GATE_UP_TILES = (64, 128, 4, 4)
 
 
+# elementwise_kernel's operations.
+ROTARY_PLACE, SILU_AND_MULTIPLY, ADD = 0, 1, 2
+
+
+class _Kernels(NamedTuple):
+    product: Any
+    norm_product: Any
+    rms_norm: Any
+    elementwise: Any
+
+
 @functools.cache
-def _kernels():  # type: ignore[no-untyped-def]
+def _kernels() -> _Kernels:
     """The Triton kernels, built on first use (after --self-check may set TRITON_INTERPRET)."""
     import triton
     import triton.language as tl
@@ -146,22 +159,30 @@ def _kernels():  # type: ignore[no-untyped-def]
         a_ptr, b_ptr, out_ptr, stride_a,
         N: tl.constexpr, BLOCK: tl.constexpr, OP: tl.constexpr,
     ):  # fmt: skip
-        """OP 0: out = a[:, :N] * 1.0001 (rotary's place: its reads and writes, little work);
-        1: out = silu(a[:, :N]) * a[:, N:2N]; 2: out = a + b."""
+        """ROTARY_PLACE: out = a[:, :N] * 1.0001 (rotary's reads and writes, little work);
+        SILU_AND_MULTIPLY: out = silu(a[:, :N]) * a[:, N:2N]; ADD: out = a + b."""
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
         a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
-        if OP == 0:
+        if OP == 0:  # ROTARY_PLACE (Triton reads no module globals that are not constexpr)
             y = a * 1.0001
-        elif OP == 1:
+        elif OP == 1:  # SILU_AND_MULTIPLY
             up = tl.load(a_ptr + row * stride_a + N + cols, mask=ok, other=0.0).to(tl.float32)
             y = a / (1.0 + tl.exp(-a)) * up
         else:
             y = a + tl.load(b_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
-    return triton, product_kernel, norm_product_kernel, rms_norm_kernel, elementwise_kernel
+    return _Kernels(product_kernel, norm_product_kernel, rms_norm_kernel, elementwise_kernel)
+
+
+def _whole_tiles(w: torch.Tensor, block_n: int, block_k: int) -> tuple[int, int]:
+    """The weight's shape, which the products' loops take in whole tiles, unmasked."""
+    n, k = w.shape
+    if n % block_n or k % block_k:
+        raise ValueError(f"a {n} x {k} weight is not whole {block_n} x {block_k} tiles")
+    return n, k
 
 
 def _block_m(rows: int) -> int:
@@ -176,10 +197,9 @@ def product(
     residual: torch.Tensor | None = None,
 ) -> None:
     """out = x @ w.T (+ residual), every tensor contiguous."""
-    _, kernel, _, _, _ = _kernels()
     block_n, block_k, warps, stages = tiles
-    n, k = w.shape
-    kernel[(n // block_n,)](
+    n, k = _whole_tiles(w, block_n, block_k)
+    _kernels().product[(n // block_n,)](
         x, w, x if residual is None else residual, out, x.shape[0], K=k, N=n,
         BLOCK_M=_block_m(x.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k,
         RESIDUAL=residual is not None, num_warps=warps, num_stages=stages,
@@ -195,10 +215,9 @@ def norm_product(
     tiles: tuple[int, int, int, int],
 ) -> None:
     """out = rmsnorm(a (+ b)) @ w_folded.T; with b, a + b is written to ``total``."""
-    _, _, kernel, _, _ = _kernels()
     block_n, block_k, warps, stages = tiles
-    n, k = w_folded.shape
-    kernel[(n // block_n,)](
+    n, k = _whole_tiles(w_folded, block_n, block_k)
+    _kernels().norm_product[(n // block_n,)](
         a, a if b is None else b, a if total is None else total, w_folded, out, a.shape[0],
         _EPS, K=k, N=n, BLOCK_M=_block_m(a.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k,
         ADD=b is not None, num_warps=warps, num_stages=stages,
@@ -213,21 +232,19 @@ def rms_norm(
     total: torch.Tensor | None = None,
 ) -> None:
     """out = rmsnorm(x (+ residual)) * weight; with a residual, the sum to ``total``."""
-    triton, _, _, kernel, _ = _kernels()
     rows, n = x.shape
-    kernel[(rows,)](
+    _kernels().rms_norm[(rows,)](
         x, x if residual is None else residual, weight, out, x if total is None else total,
-        _EPS, N=n, BLOCK=triton.next_power_of_2(n), ADD=residual is not None,
+        _EPS, N=n, BLOCK=1 << (n - 1).bit_length(), ADD=residual is not None,
     )  # fmt: skip
 
 
 def elementwise(op: int, a: torch.Tensor, out: torch.Tensor, b: torch.Tensor | None = None) -> None:
-    """``elementwise_kernel``'s OP over ``out``'s columns (0: rotary's place, 1: SiLU and
-    multiply of a's two halves, 2: a + b)."""
-    _, _, _, _, kernel = _kernels()
+    """``elementwise_kernel``'s ``op`` (ROTARY_PLACE, SILU_AND_MULTIPLY or ADD) over
+    ``out``'s columns."""
     rows, n = out.shape
     block = 1024
-    kernel[(rows, -(-n // block))](
+    _kernels().elementwise[(rows, -(-n // block))](
         a, a if b is None else b, out, a.stride(0), N=n, BLOCK=block, OP=op
     )
 
@@ -283,20 +300,20 @@ def engine_layer(w: LayerWeights, x: Activations, triton_products: bool = False)
 
     rms_norm(x.hidden, w.input_norm, x.normed)
     qkv = linear(x.normed, w.qkv, x.qkv, QKV_TILES)
-    elementwise(0, qkv, x.attn)
+    elementwise(ROTARY_PLACE, qkv, x.attn)
     o = linear(x.attn, w.o, x.o, O_TILES)
     rms_norm(o, w.post_norm, x.normed, residual=x.hidden, total=x.residual)
     gate_up = linear(x.normed, w.gate_up, x.gate_up, GATE_UP_TILES)
-    elementwise(1, gate_up, x.act)
+    elementwise(SILU_AND_MULTIPLY, gate_up, x.act)
     torch.mm(x.act, w.down.t(), out=x.mlp_out)
-    elementwise(2, x.residual, x.hidden, x.mlp_out)  # the boundary add
+    elementwise(ADD, x.residual, x.hidden, x.mlp_out)  # the boundary add
 
 
 def fused_layer(w: LayerWeights, x: Activations, fuse_gate_up: bool = True) -> None:
     """The same layer with the products taking the norms and residual adds in; the
     boundary add moves into the next layer's q|k|v."""
     norm_product(x.residual, x.mlp_out, x.hidden, w.qkv_folded, x.qkv, QKV_TILES)
-    elementwise(0, x.qkv, x.attn)
+    elementwise(ROTARY_PLACE, x.qkv, x.attn)
     product(x.attn, w.o, x.residual, O_TILES, residual=x.hidden)
     gate_up = x.gate_up
     if fuse_gate_up:
@@ -304,7 +321,7 @@ def fused_layer(w: LayerWeights, x: Activations, fuse_gate_up: bool = True) -> N
     else:
         rms_norm(x.residual, w.post_norm, x.normed)
         gate_up = F.linear(x.normed, w.gate_up)
-    elementwise(1, gate_up, x.act)
+    elementwise(SILU_AND_MULTIPLY, gate_up, x.act)
     torch.mm(x.act, w.down.t(), out=x.mlp_out)
 
 
@@ -376,9 +393,9 @@ def self_check() -> None:
 
     wide = torch.randn(rows, 2 * hidden, device=device).to(dtype)
     half = torch.empty(rows, hidden, device=device, dtype=dtype)
-    elementwise(1, wide, half)
+    elementwise(SILU_AND_MULTIPLY, wide, half)
     close(half, F.silu(wide[:, :hidden].float()) * wide[:, hidden:].float(), "SiLU and multiply")
-    elementwise(2, a, half, b)
+    elementwise(ADD, a, half, b)
     close(half, a.float() + b.float(), "add")
 
 
