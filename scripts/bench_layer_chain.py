@@ -348,6 +348,41 @@ def graph_us(fn: Callable[[], None], repeats: int = 15) -> float:
     return statistics.median(times)
 
 
+def kernel_breakdown(fn: Callable[[], None], layers: int) -> list[tuple[str, float, float]]:
+    """Each kernel of a layer in ``fn``'s graph, as the profiler saw one replay: (name, its
+    time, the gap before the next kernel), in us, averaged over the layers by position."""
+    from torch.autograd import DeviceType
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels or len(kernels) % layers:
+        raise RuntimeError(f"the profiler saw {len(kernels)} kernels for {layers} layers")
+    per_layer = len(kernels) // layers
+    rows = []
+    for position in range(per_layer):
+        busy = gap = 0.0
+        for layer in range(layers):
+            index = layer * per_layer + position
+            kernel = kernels[index]
+            busy += kernel.time_range.end - kernel.time_range.start
+            if index + 1 < len(kernels):
+                gap += kernels[index + 1].time_range.start - kernel.time_range.end
+        rows.append((kernels[position].name, busy / layers, gap / layers))
+    return rows
+
+
 def self_check() -> None:
     """Each kernel against torch at sizes the interpreter gets through quickly."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -409,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--self-check", action="store_true", help=self_check.__doc__)
+    parser.add_argument(
+        "--kernels", action="store_true", help="also each chain's kernels, from the profiler"
+    )
     args = parser.parse_args(argv)
     if args.self_check:
         self_check()
@@ -436,16 +474,36 @@ def main(argv: list[str] | None = None) -> int:
         "fused": lambda w: fused_layer(w, x),
         "fused, cuBLASLt gate|up": lambda w: fused_layer(w, x, fuse_gate_up=False),
     }
+
+    def every_layer(layer: Callable[[LayerWeights], None]) -> Callable[[], None]:
+        def run() -> None:
+            for w in weights:
+                layer(w)
+
+        return run
+
     results: dict[str, list[float]] = {name: [] for name in chains}
     for _ in range(2):  # twice, alternating, so a host's drift shows as a spread
         for name, layer in chains.items():
-            us = graph_us(lambda layer=layer: [layer(w) for w in weights])
+            us = graph_us(every_layer(layer))
             results[name].append(us / args.layers)
     for name, runs in results.items():
         print(f"{name:>24}: {' '.join(f'{r:6.1f}' for r in runs)} us a layer")
+    kernels: dict[str, list[tuple[str, float, float]]] = {}
+    for name, layer in chains.items() if args.kernels else ():
+        kernels[name] = kernel_breakdown(every_layer(layer), args.layers)
+        print(f"{name}, a layer's kernels (us: the kernel, then the gap after it):")
+        for kernel, busy, gap in kernels[name]:
+            print(f"  {busy:6.1f} {gap:5.1f}  {kernel[:90]}")
+        total_busy = sum(busy for _, busy, _ in kernels[name])
+        total_gap = sum(gap for _, _, gap in kernels[name])
+        print(f"  {total_busy:6.1f} {total_gap:5.1f}  in all")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "rows": args.rows, "us_a_layer": results}, f)
+            json.dump(
+                {"model": args.model, "rows": args.rows, "us_a_layer": results, "kernels": kernels},
+                f,
+            )
     return 0
 
 

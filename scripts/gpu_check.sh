@@ -304,7 +304,7 @@ if want chain; then
         timeout -k 10 120 "$PY" scripts/bench_layer_chain.py --self-check
         timeout -k 10 "${CHAIN_TIMEOUT:-240}" "$PY" scripts/bench_layer_chain.py \
             --model "${CHAIN_MODEL:-random:llama-8b}" --rows "${CHAIN_ROWS:-32}" \
-            --json "$OUT/chain.json"
+            --kernels --json "$OUT/chain.json"
         echo "exit code $?"
     } 2>&1 | tee "$OUT/chain.log"
     rcs+=("chain=$(grep '^exit code' "$OUT/chain.log" | awk '{print $3}' | paste -sd/ -)")
