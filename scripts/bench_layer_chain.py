@@ -1,8 +1,8 @@
-"""A decode layer's kernels at a few dozen rows, attention left out: the engine's chain
-against Triton products that take the small kernels between them in.
+"""A decode layer's kernels: the engine's chain against Triton products that take the small
+kernels between them in, and, with attention, against the batch split in two halves.
 
     python scripts/bench_layer_chain.py [--model random:llama-8b] [--rows 32] [--layers 32]
-                                        [--json PATH]
+                                        [--context 0] [--kernels] [--json PATH]
     python scripts/bench_layer_chain.py --self-check
 
 At a decode step's 32 rows every product is bound by its weight's bytes, and between them
@@ -34,6 +34,16 @@ model's are), replayed from a CUDA graph:
 * ``fused``: q|k|v with the boundary add and the input norm, o with the residual add, gate|up
   with the norm; cuBLASLt's down;
 * ``fused, cuBLASLt gate|up``: fused q|k|v and o, then the norm kernel and cuBLASLt's gate|up.
+
+With ``--context N`` each layer also runs the engine's decode attention (``paged_decode.py``)
+over a paged cache of its own, every sequence at N tokens, and two more chains split the
+batch in halves: ``engine, halves in turn`` (each layer on one half, then on the other: every
+weight read twice) and ``engine, halves on two streams`` (the second half half a layer behind
+the first, on a stream of its own). At a large batch of a small model the products sit near
+the ridge of compute and bandwidth while attention is bound by the cache's bytes; the second
+asks whether one half's attention beside the other's products buys back more than the
+second weight read costs. ``--kernels`` prints each one-stream chain's kernels a layer as
+the profiler sees one replay.
 
 The products tile the weight's rows across programs and keep the batch's rows whole and the
 full depth in one loop (the weight is the operand that streams; the rows stay in L2).
@@ -290,10 +300,74 @@ class Activations:
         self.hidden, self.residual, self.mlp_out = buffer(hidden), buffer(hidden), buffer(hidden)
         self.normed, self.attn, self.o = buffer(hidden), buffer(hidden), buffer(hidden)
         self.qkv, self.gate_up, self.act = buffer(qkv), buffer(2 * inter), buffer(inter)
+        self.query = buffer(hidden)
 
 
-def engine_layer(w: LayerWeights, x: Activations, triton_products: bool = False) -> None:
-    """The worker's compiled layer, attention left out."""
+@dataclass
+class Sequences:
+    """Some of the step's sequences, as the decode kernel reads them."""
+
+    block_tables: torch.Tensor  # flat int32
+    width: torch.Tensor  # one element
+    context_lens: torch.Tensor
+
+    def __getitem__(self, rows: slice) -> Sequences:
+        width = self.block_tables.numel() // self.context_lens.numel()
+        tables = self.block_tables.view(-1, width)[rows].reshape(-1)
+        return Sequences(tables, self.width, self.context_lens[rows])
+
+
+class Attention:
+    """The engine's decode attention over a layer's own paged cache (its keys and values
+    random, every sequence at ``context`` tokens, the blocks shuffled); the rows' own keys
+    and values are not stored, which the engine does in the same launch."""
+
+    def __init__(self, rows: int, context: int, heads: int, kv_heads: int, head_dim: int,
+                 layers: int, device: str, dtype) -> None:  # fmt: skip
+        block = 16
+        width = -(-context // block)
+        blocks = rows * width
+        self.heads, self.head_dim, self.block = heads, head_dim, block
+        self.caches = [
+            (
+                torch.randn(blocks * block, kv_heads, head_dim, device=device, dtype=dtype),
+                torch.randn(blocks * block, kv_heads, head_dim, device=device, dtype=dtype),
+            )
+            for _ in range(layers)
+        ]
+        self.sequences = Sequences(
+            torch.randperm(blocks, device=device).to(torch.int32),
+            torch.tensor([width], device=device),
+            torch.full((rows,), context, dtype=torch.int32, device=device),
+        )
+
+    def __call__(self, layer: int, x: Activations, seqs: Sequences) -> None:
+        from cbpipe.worker.kernels.paged_decode import paged_decode_attention
+
+        rows = x.query.shape[0]
+        keys, values = self.caches[layer]
+        paged_decode_attention(
+            x.query.view(rows, self.heads, self.head_dim), keys, values, seqs.block_tables,
+            seqs.width, seqs.context_lens, block_size=self.block, scale=self.head_dim**-0.5,
+            out=x.attn.view(rows, self.heads, self.head_dim),
+        )  # fmt: skip
+
+
+Attend = Callable[[Activations], None]
+
+
+def rotary_and_attention(qkv: torch.Tensor, x: Activations, attend: Attend | None) -> None:
+    """Rotary's place, then attention into ``x.attn`` (or, without attention, rotary's
+    output there directly)."""
+    elementwise(ROTARY_PLACE, qkv, x.attn if attend is None else x.query)
+    if attend is not None:
+        attend(x)
+
+
+def engine_layer(
+    w: LayerWeights, x: Activations, triton_products: bool = False, attend: Attend | None = None
+) -> None:
+    """The worker's compiled layer, with attention or without."""
 
     def linear(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles) -> torch.Tensor:
         if not triton_products:
@@ -303,7 +377,7 @@ def engine_layer(w: LayerWeights, x: Activations, triton_products: bool = False)
 
     rms_norm(x.hidden, w.input_norm, x.normed)
     qkv = linear(x.normed, w.qkv, x.qkv, QKV_TILES)
-    elementwise(ROTARY_PLACE, qkv, x.attn)
+    rotary_and_attention(qkv, x, attend)
     o = linear(x.attn, w.o, x.o, O_TILES)
     rms_norm(o, w.post_norm, x.normed, residual=x.hidden, total=x.residual)
     gate_up = linear(x.normed, w.gate_up, x.gate_up, GATE_UP_TILES)
@@ -312,11 +386,13 @@ def engine_layer(w: LayerWeights, x: Activations, triton_products: bool = False)
     elementwise(ADD, x.residual, x.hidden, x.mlp_out)  # the boundary add
 
 
-def fused_layer(w: LayerWeights, x: Activations, fuse_gate_up: bool = True) -> None:
+def fused_layer(
+    w: LayerWeights, x: Activations, fuse_gate_up: bool = True, attend: Attend | None = None
+) -> None:
     """The same layer with the products taking the norms and residual adds in; the
     boundary add moves into the next layer's q|k|v."""
     norm_product(x.residual, x.mlp_out, x.hidden, w.qkv_folded, x.qkv, QKV_ADD_TILES)
-    elementwise(ROTARY_PLACE, x.qkv, x.attn)
+    rotary_and_attention(x.qkv, x, attend)
     product(x.attn, w.o, x.residual, O_TILES, residual=x.hidden)
     gate_up = x.gate_up
     if fuse_gate_up:
@@ -442,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="random:llama-8b")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument(
+        "--context", type=int, default=0,
+        help="with attention, every sequence at this many tokens (0: without attention)",
+    )  # fmt: skip
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--self-check", action="store_true", help=self_check.__doc__)
     parser.add_argument(
@@ -467,31 +547,87 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = "cuda", torch.bfloat16
     use_blas_library("auto", torch.device(device))
     weights = [LayerWeights.random(hidden, qkv, inter, device, dtype) for _ in range(args.layers)]
-    x = Activations(args.rows, hidden, qkv, inter, device, dtype)
-    chains: dict[str, Callable[[LayerWeights], None]] = {
-        "engine": lambda w: engine_layer(w, x),
-        "triton products": lambda w: engine_layer(w, x, triton_products=True),
-        "fused": lambda w: fused_layer(w, x),
-        "fused, cuBLASLt gate|up": lambda w: fused_layer(w, x, fuse_gate_up=False),
-    }
+    attention = None
+    if args.context:
+        attention = Attention(
+            args.rows, args.context, heads, kv_heads, head_dim, args.layers, device, dtype
+        )
+        print(f"with attention: {heads} heads, {kv_heads} KV heads of {head_dim}, context "
+              f"{args.context}")  # fmt: skip
 
-    def every_layer(layer: Callable[[LayerWeights], None]) -> Callable[[], None]:
-        def run() -> None:
-            for w in weights:
-                layer(w)
+    def attend(layer: int, seqs: Sequences | None = None, then: Any = None) -> Attend | None:
+        """Layer ``layer``'s attention over ``seqs`` (all of them by default), recording the
+        event ``then`` after it."""
+        if attention is None:
+            return None
+        chosen = attention.sequences if seqs is None else seqs
+
+        def run(x: Activations) -> None:
+            attention(layer, x, chosen)
+            if then is not None:
+                then.record()
 
         return run
 
+    layer_kinds: dict[str, Callable[[LayerWeights, Activations, Attend | None], None]] = {
+        "engine": lambda w, x, a: engine_layer(w, x, attend=a),
+        "triton products": lambda w, x, a: engine_layer(w, x, triton_products=True, attend=a),
+        "fused": lambda w, x, a: fused_layer(w, x, attend=a),
+        "fused, cuBLASLt gate|up": lambda w, x, a: fused_layer(w, x, fuse_gate_up=False, attend=a),
+    }
+
+    def whole_batch(kind: Callable[[LayerWeights, Activations, Attend | None], None]):
+        x = Activations(args.rows, hidden, qkv, inter, device, dtype)
+
+        def run() -> None:
+            for i, w in enumerate(weights):
+                kind(w, x, attend(i))
+
+        return run
+
+    chains: dict[str, Callable[[], None]] = {
+        name: whole_batch(kind) for name, kind in layer_kinds.items()
+    }
+    if attention is not None:
+        # The batch in two halves: each product reads its weight twice, but one half's
+        # attention, bound by the cache's bytes, can run beside the other's products.
+        half = args.rows // 2
+        halves = [Activations(half, hidden, qkv, inter, device, dtype) for _ in range(2)]
+        seqs = [attention.sequences[:half], attention.sequences[half:]]
+        side = torch.cuda.Stream()
+        started = torch.cuda.Event()
+
+        def halves_in_turn() -> None:
+            for i, w in enumerate(weights):
+                for x, s in zip(halves, seqs, strict=True):
+                    engine_layer(w, x, attend=attend(i, s))
+
+        def halves_on_two_streams() -> None:
+            # The second half starts once the first has passed its first attention: from
+            # there one half's attention falls beside the other's products.
+            side.wait_stream(torch.cuda.current_stream())
+            for i, w in enumerate(weights):
+                engine_layer(w, halves[0], attend=attend(i, seqs[0], started if i == 0 else None))
+            with torch.cuda.stream(side):
+                side.wait_event(started)
+                for i, w in enumerate(weights):
+                    engine_layer(w, halves[1], attend=attend(i, seqs[1]))
+            torch.cuda.current_stream().wait_stream(side)
+
+        chains["engine, halves in turn"] = halves_in_turn
+        chains["engine, halves on two streams"] = halves_on_two_streams
+
     results: dict[str, list[float]] = {name: [] for name in chains}
     for _ in range(2):  # twice, alternating, so a host's drift shows as a spread
-        for name, layer in chains.items():
-            us = graph_us(every_layer(layer))
-            results[name].append(us / args.layers)
+        for name, chain in chains.items():
+            results[name].append(graph_us(chain) / args.layers)
     for name, runs in results.items():
-        print(f"{name:>24}: {' '.join(f'{r:6.1f}' for r in runs)} us a layer")
+        print(f"{name:>30}: {' '.join(f'{r:6.1f}' for r in runs)} us a layer")
     kernels: dict[str, list[tuple[str, float, float]]] = {}
-    for name, layer in chains.items() if args.kernels else ():
-        kernels[name] = kernel_breakdown(every_layer(layer), args.layers)
+    for name, chain in chains.items() if args.kernels else ():
+        if name == "engine, halves on two streams":
+            continue  # two streams' kernels interleave: no position a layer
+        kernels[name] = kernel_breakdown(chain, args.layers)
         print(f"{name}, a layer's kernels (us: the kernel, then the gap after it):")
         for kernel, busy, gap in kernels[name]:
             print(f"  {busy:6.1f} {gap:5.1f}  {kernel[:90]}")
@@ -501,7 +637,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"model": args.model, "rows": args.rows, "us_a_layer": results, "kernels": kernels},
+                {
+                    "model": args.model,
+                    "rows": args.rows,
+                    "context": args.context,
+                    "us_a_layer": results,
+                    "kernels": kernels,
+                },
                 f,
             )
     return 0

@@ -17,7 +17,10 @@
 #   chain    scripts/bench_layer_chain.py: a decode layer's kernels without attention at
 #            CHAIN_ROWS rows of CHAIN_MODEL (random:llama-8b x32), 32 layers from a CUDA graph:
 #            the engine's chain (cuBLASLt's products, inductor-like small kernels) against
-#            Triton products with the norms and residual adds fused in (~1 min)
+#            Triton products with the norms and residual adds fused in, each chain's kernels
+#            from the profiler; with CHAIN_CONTEXT>0 attention too (every sequence at that
+#            many tokens), and the batch in two halves, in turn and on two streams;
+#            CHAIN_LAYERS (32) layers                                             (~1 min)
 #   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
 #            with and without --fuse-projections                                 (~1 min)
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
@@ -300,10 +303,11 @@ fi
 
 if want chain; then
     {
-        section "a decode layer's chain without attention, ${CHAIN_MODEL:-random:llama-8b} x${CHAIN_ROWS:-32}"
+        section "a decode layer's chain, ${CHAIN_MODEL:-random:llama-8b} x${CHAIN_ROWS:-32}, context ${CHAIN_CONTEXT:-0}"
         timeout -k 10 120 "$PY" scripts/bench_layer_chain.py --self-check
         timeout -k 10 "${CHAIN_TIMEOUT:-240}" "$PY" scripts/bench_layer_chain.py \
             --model "${CHAIN_MODEL:-random:llama-8b}" --rows "${CHAIN_ROWS:-32}" \
+            --layers "${CHAIN_LAYERS:-32}" --context "${CHAIN_CONTEXT:-0}" \
             --kernels --json "$OUT/chain.json"
         echo "exit code $?"
     } 2>&1 | tee "$OUT/chain.log"
