@@ -357,6 +357,8 @@ class Attention:
 
 
 Attend = Callable[[Activations], None]
+# Where the two halves' kernels interleave, a layer's kernels have no fixed positions.
+TWO_STREAMS = "engine, halves on two streams"
 
 
 def rotary_and_attention(qkv: torch.Tensor, x: Activations, attend: Attend | None) -> None:
@@ -407,8 +409,8 @@ def fused_layer(
     torch.mm(x.act, w.down.t(), out=x.mlp_out)
 
 
-def graph_us(fn: Callable[[], None], repeats: int = 15) -> float:
-    """The median of ``repeats`` replays of ``fn`` captured in one CUDA graph, in us."""
+def captured(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``fn`` run once, then captured in a CUDA graph that has been replayed once."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -416,6 +418,15 @@ def graph_us(fn: Callable[[], None], repeats: int = 15) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+LayerKind = Callable[[LayerWeights, Activations, Attend | None], None]
+
+
+def graph_us(fn: Callable[[], None], repeats: int = 15) -> float:
+    """The median of ``repeats`` replays of ``fn`` captured in one CUDA graph, in us."""
+    graph = captured(fn)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -432,13 +443,7 @@ def kernel_breakdown(fn: Callable[[], None], layers: int) -> list[tuple[str, flo
     time, the gap before the next kernel), in us, averaged over the layers by position."""
     from torch.autograd import DeviceType
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured(fn)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
@@ -558,7 +563,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"with attention: {heads} heads, {kv_heads} KV heads of {head_dim}, context "
               f"{args.context}")  # fmt: skip
 
-    def attend(layer: int, seqs: Sequences | None = None, then: Any = None) -> Attend | None:
+    def attend(
+        layer: int, seqs: Sequences | None = None, then: torch.cuda.Event | None = None
+    ) -> Attend | None:
         """Layer ``layer``'s attention over ``seqs`` (all of them by default), recording the
         event ``then`` after it."""
         if attention is None:
@@ -572,14 +579,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    layer_kinds: dict[str, Callable[[LayerWeights, Activations, Attend | None], None]] = {
+    layer_kinds: dict[str, LayerKind] = {
         "engine": lambda w, x, a: engine_layer(w, x, attend=a),
         "triton products": lambda w, x, a: engine_layer(w, x, triton_products=True, attend=a),
         "fused": lambda w, x, a: fused_layer(w, x, attend=a),
         "fused, cuBLASLt gate|up": lambda w, x, a: fused_layer(w, x, fuse_gate_up=False, attend=a),
     }
 
-    def whole_batch(kind: Callable[[LayerWeights, Activations, Attend | None], None]):
+    def whole_batch(kind: LayerKind) -> Callable[[], None]:
         x = Activations(args.rows, hidden, qkv, inter, device, dtype)
 
         def run() -> None:
@@ -622,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.current_stream().wait_stream(side)
 
         chains["engine, halves in turn"] = halves_in_turn
-        chains["engine, halves on two streams"] = halves_on_two_streams
+        chains[TWO_STREAMS] = halves_on_two_streams
 
     results: dict[str, list[float]] = {name: [] for name in chains}
     for _ in range(2):  # twice, alternating, so a host's drift shows as a spread
@@ -632,8 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>30}: {' '.join(f'{r:6.1f}' for r in runs)} us a layer")
     kernels: dict[str, list[tuple[str, float, float]]] = {}
     for name, chain in chains.items() if args.kernels else ():
-        if name == "engine, halves on two streams":
-            continue  # two streams' kernels interleave: no position a layer
+        if name == TWO_STREAMS:
+            continue
         kernels[name] = kernel_breakdown(chain, args.layers)
         print(f"{name}, a layer's kernels (us: the kernel, then the gap after it):")
         for kernel, busy, gap in kernels[name]:
