@@ -14,13 +14,12 @@
 #   gemm     scripts/bench_matmul.py --only-candidate: the tiled split-K Triton candidate swept
 #            against cuBLAS and cuBLASLt for q|k|v, o and down of GEMM_MODEL at GEMM_BATCH rows
 #            (random:llama-1b at 256: the products bound by arithmetic there)     (~4 min)
-#   chain    scripts/bench_layer_chain.py: a decode layer's kernels without attention at
-#            CHAIN_ROWS rows of CHAIN_MODEL (random:llama-8b x32), 32 layers from a CUDA graph:
+#   chain    scripts/bench_layer_chain.py: a decode layer's kernels at CHAIN_ROWS rows of
+#            CHAIN_MODEL (random:llama-8b x32), CHAIN_LAYERS (32) layers from a CUDA graph:
 #            the engine's chain (cuBLASLt's products, inductor-like small kernels) against
 #            Triton products with the norms and residual adds fused in, each chain's kernels
 #            from the profiler; with CHAIN_CONTEXT>0 attention too (every sequence at that
-#            many tokens), and the batch in two halves, in turn and on two streams;
-#            CHAIN_LAYERS (32) layers                                             (~1 min)
+#            many tokens), and the batch in two halves, in turn and on two streams (~1 min)
 #   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
 #            with and without --fuse-projections                                 (~1 min)
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
