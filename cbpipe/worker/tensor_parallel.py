@@ -61,6 +61,9 @@ REPLICATED = frozenset({"embedding_rowwise", "replicated_with_grad_allreduce"})
 # A rank that waits this long in a collective gives up (gloo; NCCL aborts too): the
 # launcher has long stopped the run by then, this is only the last resort.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# One all-gather into one tensor: ``all_gather_single`` where torch has it (2.13 deprecates
+# the older name with a warning), else ``all_gather_into_tensor`` (torch 2.11 has only that).
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class TensorParallel:
         rows, local = parts.shape
         # Concatenated along the first dimension (gloo takes no other output shape).
         gathered = parts.new_empty((self.world_size * rows, local))  # [ranks * rows, local]
-        dist.all_gather_single(gathered, parts, group=self.group)
+        _all_gather_into(gathered, parts, group=self.group)
         joined = gathered.view(self.world_size, rows, local).permute(1, 0, 2)
         return joined.reshape(*x.shape[:-1], self.world_size * local)
 
