@@ -52,6 +52,10 @@ class Arch:
     features: tuple[str, ...] = ()  # "window", "softcap", "sinks", "scaling"
     common: bool = True  # start from the common sizes (False: ``config`` is all)
     note: str = ""
+    # The transformers version from which cbpipe serves it; before it, the model's own
+    # attention code is refused (``refused_before``: a fragment of that refusal).
+    served_from: str = ""
+    refused_before: str = ""
 
     @property
     def name(self) -> str:
@@ -102,9 +106,19 @@ SERVED = [
     Arch("starcoder2", _window(), ("window",)),
     Arch("gpt2", dict(n_positions=512)),
     Arch("gpt_neox", dict(rotary_pct=0.5)),
-    Arch("gptj", dict(rotary_dim=8, n_positions=512)),
+    Arch(
+        "gptj",
+        dict(rotary_dim=8, n_positions=512),
+        served_from="5.24",
+        refused_before="from the model's own table",
+    ),
     Arch("gpt_bigcode", dict(multi_query=True, n_positions=512), note="multi-query attention"),
-    Arch("codegen", dict(rotary_dim=8, n_positions=512, n_ctx=512)),
+    Arch(
+        "codegen",
+        dict(rotary_dim=8, n_positions=512, n_ctx=512),
+        served_from="5.24",
+        refused_before="compute attention without calling transformers' AttentionInterface",
+    ),
     Arch("opt", dict(ffn_dim=128, word_embed_proj_dim=64), note="learned absolute positions"),
     Arch("olmo"),
     Arch("olmo2"),

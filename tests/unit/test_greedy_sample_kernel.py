@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.unit.triton_interpreter import (
+    bounds_from_data,
     check_each,
     emit,
     needs_cuda,
@@ -200,6 +201,7 @@ def test_triton_is_importable() -> None:
     require_triton()
 
 
+@bounds_from_data
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_interpreter_matches_torch(case: Case, interpreter_results: dict[str, Any]) -> None:
     assert_result(case, interpreter_results[case.name])

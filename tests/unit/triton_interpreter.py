@@ -9,6 +9,7 @@ whose ``__main__`` computes every case and ends with ``emit(results)``.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -24,6 +25,34 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The kernels' GPU cases, beside the ``gpu`` marker that selects them.
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in
+                    version.split(".")[:2])  # fmt: skip
+    return major, minor
+
+
+def _interpreter_breaks_on_data_bounds() -> bool:
+    """Triton before 3.7 hands a loop bound computed in the kernel to ``int()`` as a
+    one-element array, which numpy 2.4 and later refuse (triton-lang/triton#9171): torch
+    2.11's pinned Triton 3.6 with a current numpy."""
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return False  # require_triton() reports it
+    import numpy
+
+    return _major_minor(triton_version) < (3, 7) and _major_minor(numpy.__version__) >= (2, 4)
+
+
+# For kernels whose loops run to a bound computed from loaded values: the compiled kernels
+# are unaffected (their GPU cases still run), only this interpreter cannot run them.
+bounds_from_data = pytest.mark.skipif(
+    _interpreter_breaks_on_data_bounds(),
+    reason="Triton < 3.7's interpreter cannot run a loop whose bound is computed in the kernel "
+    "under numpy >= 2.4 (triton-lang/triton#9171); Triton 3.7 or later runs them",
+)
 _RESULT_PREFIX = "TRITON_INTERPRETER_RESULTS "
 
 
