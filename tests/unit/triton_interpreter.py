@@ -28,9 +28,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _major_minor(version: str) -> tuple[int, int]:
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in
-                    version.split(".")[:2])  # fmt: skip
-    return major, minor
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def _interpreter_breaks_on_data_bounds() -> bool:
