@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -29,7 +30,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _major_minor(version: str) -> tuple[int, int]:
     major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    digits = re.match(r"\d*", minor)
+    return int(major), int(digits.group() if digits and digits.group() else 0)
 
 
 def _interpreter_breaks_on_data_bounds() -> bool:
