@@ -72,12 +72,12 @@ _EPS = 1e-5
 QKV_TILES = (64, 256, 4, 4)
 O_TILES = (32, 256, 4, 4)
 GATE_UP_TILES = (64, 128, 4, 4)
-# The products hold all the batch's rows in one tile, beside the weight's: past this many,
-# their tiles outgrow shared memory.
-MAX_TRITON_ROWS = 64
 # q|k|v with the boundary add streams two input tiles beside the weight's: four stages of
 # them pass the H200's 227 KiB of shared memory.
 QKV_ADD_TILES = (64, 256, 4, 3)
+# The products hold all the batch's rows in one tile, beside the weight's: past this many,
+# their tiles outgrow shared memory.
+MAX_TRITON_ROWS = 64
 
 
 # elementwise_kernel's operations.
@@ -586,12 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         "fused, cuBLASLt gate|up": lambda w, x, a: fused_layer(w, x, fuse_gate_up=False, attend=a),
     }
 
-    def whole_batch(kind: LayerKind) -> Callable[[], None]:
-        x = Activations(args.rows, hidden, qkv, inter, device, dtype)
+    batch = Activations(args.rows, hidden, qkv, inter, device, dtype)  # the chains take turns
 
+    def whole_batch(kind: LayerKind) -> Callable[[], None]:
         def run() -> None:
             for i, w in enumerate(weights):
-                kind(w, x, attend(i))
+                kind(w, batch, attend(i))
 
         return run
 
