@@ -12,7 +12,6 @@ import importlib
 import importlib.metadata
 import json
 import os
-import re
 import subprocess
 import sys
 import traceback
@@ -22,16 +21,11 @@ from typing import Any
 
 import pytest
 import torch
+from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The kernels' GPU cases, beside the ``gpu`` marker that selects them.
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    digits = re.match(r"\d*", minor)
-    return int(major), int(digits.group() if digits and digits.group() else 0)
 
 
 def _interpreter_breaks_on_data_bounds() -> bool:
@@ -44,7 +38,7 @@ def _interpreter_breaks_on_data_bounds() -> bool:
         return False  # require_triton() reports it
     import numpy
 
-    return _major_minor(triton_version) < (3, 7) and _major_minor(numpy.__version__) >= (2, 4)
+    return Version(triton_version) < Version("3.7") and Version(numpy.__version__) >= Version("2.4")
 
 
 # For kernels whose loops run to a bound computed from loaded values: the compiled kernels
