@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import importlib.util
 import logging
@@ -431,10 +432,13 @@ def _on_launcher_death(spec: RunSpec, signum: int, frame: FrameType | None) -> N
     """Remove what the launcher would have, then stop as if it had asked (SIGTERM).
 
     Both children do it; whichever comes second finds nothing left. The mappings and the
-    connected sockets the processes hold keep working until they exit.
+    connected sockets the processes hold keep working until they exit. No launcher is left
+    to kill a child whose orderly stop hangs, so a watchdog thread does: after
+    ``STOP_TIMEOUT_S`` it prints every thread's stack to stderr and exits.
     """
     unlink_segment(spec.segment_name)
     shutil.rmtree(spec.run_dir, ignore_errors=True)
+    faulthandler.dump_traceback_later(STOP_TIMEOUT_S, exit=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -286,6 +286,7 @@ class AsyncClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._fail_all(EngineError("the client was closed"))
+        self._socket.disable_monitor()  # before its reader goes: see scheduler.process._close
         self._monitor.close(linger=0)
         self._socket.close(linger=CLOSE_LINGER_MS)
         self._context.term()

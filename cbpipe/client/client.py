@@ -237,6 +237,7 @@ class Client:
         os.write(self._wake_write, b"x")
         self._thread.join(timeout=5)
         self._fail_all(EngineError("the client was closed"))
+        self._socket.disable_monitor()  # before its reader goes: see scheduler.process._close
         self._monitor.close(linger=0)
         self._socket.close(linger=CLOSE_LINGER_MS)
         self._context.term()

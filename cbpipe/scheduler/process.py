@@ -83,8 +83,7 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
             log.info("wrote %d steps to %s", len(loop.records), spec.config.scheduler.trace)
         if loop is not None and loop.frontend.prompts is not None:
             loop.frontend.prompts.close()
-        for socket in sockets.values():
-            socket.close(linger=500)  # lets final replies (errors, finishes) go out
+        _close(sockets)
         segment.close()
         context.term()
     raise SystemExit(exit_code)
@@ -116,6 +115,20 @@ def _bind(context: zmq.Context, spec: RunSpec) -> dict[str, zmq.Socket]:
     results.bind(spec.addresses.worker_results)
     monitor = results.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
     return {"clients": clients, "steps": steps, "results": results, "monitor": monitor}
+
+
+def _close(sockets: dict[str, zmq.Socket]) -> None:
+    """Close the sockets, the results socket's monitor first and detached before it closes.
+
+    A worker's connection that ends once the monitor's reader is gone would block ZeroMQ's
+    I/O thread in handing over that event, and ``context.term()`` with it (libzmq#2083,
+    libzmq#3575: the order libzmq asks for, though no hang here has been traced to it).
+    """
+    sockets["results"].disable_monitor()
+    sockets["monitor"].close(linger=0)
+    for name, socket in sockets.items():
+        if name != "monitor":
+            socket.close(linger=500)  # lets final replies (errors, finishes) go out
 
 
 def _require_curve(context: zmq.Context, socket: zmq.Socket, keys: CurveKeys) -> None:
