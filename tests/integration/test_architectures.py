@@ -27,12 +27,19 @@ def _arch(name: str, archs: list) -> object:  # type: ignore[type-arg]
 def test_gemma2_with_sliding_windows_matches_generate(tmp_path: Path) -> None:
     """Gemma 2: sliding and global layers, soft-capped scores, query_pre_attn_scalar; prompts
     and outputs cross the window of 12 tokens and the blocks of 8, in chunks of 24."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cbpipe.models.support import reference_attention
 
     folder = build_checkpoint(_arch("gemma2", SERVED), tmp_path / "gemma2")  # type: ignore[arg-type]
     rng = random.Random(1)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, WINDOW + 1, 30, 50)]
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # Eager for the soft-capped scores: transformers < 5.21 dispatches Gemma 2 to SDPA,
+    # which drops the cap (``support.reference_attention``).
+    implementation = reference_attention(AutoConfig.from_pretrained(folder))
+    reference = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation=implementation
+    ).eval()
     expected = []
     for prompt in prompts:
         out = reference.generate(
