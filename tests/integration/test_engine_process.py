@@ -241,26 +241,29 @@ def test_an_orphan_whose_stop_hangs_still_exits_and_says_where(tmp_path: Path) -
     the child's own watchdog prints where it stood and ends it."""
     segment = Path("/dev/shm") / f"cbpipe-test-{os.getpid()}-{random.randrange(1 << 30)}"
     segment.touch()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", _HANGING_CHILD, segment.name, str(run_dir), "1"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     try:
-        assert launcher.stdout is not None and launcher.stderr is not None
-        child = int(launcher.stdout.readline())
-        started = process_start_time(child)
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", _HANGING_CHILD, segment.name, str(run_dir), "1"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert launcher.stdout is not None and launcher.stderr is not None
+            child = int(launcher.stdout.readline())
+            started = process_start_time(child)
+        finally:
+            launcher.kill()
+            launcher.wait()
+        alive = _wait_until_gone({child: started}, ORPHAN_EXIT_S)
+        if alive:
+            os.kill(child, signal.SIGKILL)
+        stderr = launcher.stderr.read()  # to its end: the child held the pipe until it was gone
+        assert not alive, f"the child outlived its launcher: {alive}\nstderr:\n{stderr}"
+        assert not segment.exists() and not run_dir.exists()
+        assert "Timeout (0:00:01)!" in stderr and "in stop_that_never_ends" in stderr, stderr
     finally:
-        launcher.kill()
-        launcher.wait()
-    alive = _wait_until_gone({child: started}, ORPHAN_EXIT_S)
-    if alive:
-        os.kill(child, signal.SIGKILL)
-    stderr = launcher.stderr.read()  # to its end: the child held the pipe until it was gone
-    assert not alive, f"the child outlived its launcher: {alive}\nstderr:\n{stderr}"
-    assert not segment.exists() and not run_dir.exists()
-    assert "Timeout (0:00:01)!" in stderr and "in stop_that_never_ends" in stderr, stderr
+        segment.unlink(missing_ok=True)  # if the child never got to it
