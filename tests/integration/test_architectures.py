@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from cbpipe.client import Client
 from tests.architectures import REFUSED, SERVED, WINDOW, build_checkpoint
+from tests.harness import reference_greedy
 from tests.integration.conftest import launch_engine
 from tests.integration.helpers import RESULT_TIMEOUT_S
 
@@ -27,30 +27,11 @@ def _arch(name: str, archs: list) -> object:  # type: ignore[type-arg]
 def test_gemma2_with_sliding_windows_matches_generate(tmp_path: Path) -> None:
     """Gemma 2: sliding and global layers, soft-capped scores, query_pre_attn_scalar; prompts
     and outputs cross the window of 12 tokens and the blocks of 8, in chunks of 24."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from cbpipe.models.support import reference_attention
-
     folder = build_checkpoint(_arch("gemma2", SERVED), tmp_path / "gemma2")  # type: ignore[arg-type]
     rng = random.Random(1)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, WINDOW + 1, 30, 50)]
-    # Eager for the soft-capped scores: transformers < 5.21 dispatches Gemma 2 to SDPA,
-    # which drops the cap (``support.reference_attention``).
-    implementation = reference_attention(AutoConfig.from_pretrained(folder))
-    reference = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation=implementation
-    ).eval()
-    expected = []
-    for prompt in prompts:
-        out = reference.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        expected.append(out[0, len(prompt) :].tolist())
+    # transformers' generate with eager attention: SDPA drops the soft-cap.
+    expected = [reference_greedy(str(folder), p, MAX_NEW_TOKENS, None) for p in prompts]
     flags = ("--model", str(folder), "--device", "cpu", "--num-blocks", "64", "--block-size", "8",
              "--max-batch-tokens", "24", "--max-num-seqs", "4")  # fmt: skip
     with launch_engine(*flags, timeout=120) as run, Client(run.address) as client:

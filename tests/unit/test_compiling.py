@@ -12,7 +12,7 @@ from cbpipe.worker import compiling
 # ``to_dtype`` caches every float32 -> bfloat16 cast's inverse as the unrounded float32 value,
 # so the emulated round trip is folded away (pytorch/pytorch#136896, fixed by #182882 in
 # 2.13). The engine compiles only for CUDA graphs, whose Triton backend keeps the round trips.
-_CPU_INDUCTOR_ROUNDS_AS_EAGER = Version(torch.__version__.split("+")[0]) >= Version("2.13")
+_CPU_INDUCTOR_ROUNDS_AS_EAGER = Version(torch.__version__) >= Version("2.13")
 
 
 def _gate_and_residual(
