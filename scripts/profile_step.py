@@ -47,7 +47,7 @@ from cbpipe.scheduler.request import Request, RequestStatus
 from cbpipe.worker import attention
 from cbpipe.worker import runner as runner_module
 from cbpipe.worker.blas import use_blas_library
-from cbpipe.worker.compiled_layers import compile_layers
+from cbpipe.worker.compiled_layers import ModuleCompiler, compile_layers
 from cbpipe.worker.cuda_graphs import bucket_sizes
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
@@ -95,6 +95,11 @@ def main() -> None:
         "--compile-siblings", action=argparse.BooleanOptionalAction, default=True,
         help="with --compile-decode, compile the layers' siblings too (the final norm, the "
         "rotary tables), as the worker does; --no-compile-siblings: the layers alone",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-whole", action="store_true",
+        help="with --compile-decode, compile the whole forward as one graph instead of a graph "
+        "a layer: what fusing across the layers' edges would gain, at a longer compile",
     )  # fmt: skip
     parser.add_argument(
         "--blas-library", choices=("auto", "cublaslt", "cublas"), default="auto",
@@ -161,6 +166,8 @@ def main() -> None:
 
     if not args.compile_siblings:  # the runner's own reference, for this process only
         runner_module.compile_layers = functools.partial(compile_layers, siblings=False)
+    if args.compile_whole:
+        runner_module.compile_layers = _compile_whole
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     use_blas_library(args.blas_library, device)
@@ -209,6 +216,13 @@ def main() -> None:
     for name in presets:
         step = _pack_step(args, layout, segment, num_blocks, blocks_per_seq, SAMPLING_PRESETS[name])
         _time_step(args, runner, model, kernel, device, dtype, step, name, profile)
+
+
+def _compile_whole(
+    model: torch.nn.Module, compile_module: ModuleCompiler, *, siblings: bool = True
+) -> torch.nn.Module:
+    """``compile_layers``'s stand-in for ``--compile-whole``: the whole forward one graph."""
+    return compile_module(model)
 
 
 def _set_inductor_option(parser: argparse.ArgumentParser, option: str) -> None:
