@@ -21,6 +21,7 @@ from cbpipe.server.completions import create_completion
 from cbpipe.server.errors import APIError
 from cbpipe.server.metrics import CONTENT_TYPE
 from cbpipe.server.schemas import (
+    NULL_ONLY,
     UNION_TYPES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -164,7 +165,9 @@ def _validation_error(errors: Any) -> APIError:
     """A 400 for pydantic's first complaint, naming the field as the request spells it."""
     if not errors:
         return APIError(400, "invalid request")
-    error = errors[0]
+    # A union reports each member's complaint: a lone surrogate in one of them (text parts,
+    # say) says more than the others' type errors.
+    error = next((e for e in errors if e.get("type") == "lone_surrogate"), errors[0])
     kind, message = error.get("type", ""), error.get("msg", "invalid value")
     loc = [part for part in error.get("loc", ()) if part != "body"]
     if kind == "json_invalid":
@@ -176,11 +179,11 @@ def _validation_error(errors: Any) -> APIError:
     param = _param_name(loc)
     if kind == "extra_forbidden":
         return APIError(400, f"{param} is not supported by cbpipe", param=param)
-    if param == "suffix":
-        return APIError(400, "suffix (insertion) is not supported by cbpipe", param=param)
+    last = param.rsplit(".", 1)[-1].split("[", 1)[0]
+    if last in NULL_ONLY and kind == "none_required":
+        return APIError(400, f"{param}: {NULL_ONLY[last]}", param=param)
     if kind == "missing":
         return APIError(400, f"{param} is required", param=param)
-    last = param.rsplit(".", 1)[-1].split("[", 1)[0]
     if last in UNION_TYPES and kind.endswith("_type"):
         return APIError(400, f"{param} must be {UNION_TYPES[last]}", param=param)
     return APIError(400, f"{param}: {message}", param=param)

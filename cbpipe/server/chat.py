@@ -23,6 +23,7 @@ from cbpipe.server.common import (
     ServerState,
     cancelled_on_disconnect,
     first_batch_then,
+    max_new_tokens,
     new_id,
     now_s,
     sampling_options,
@@ -47,9 +48,13 @@ async def create_chat_completion(
         prompt = await render_conversation(state.text, body)
     except TextError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    limit = body.max_completion_tokens or body.max_tokens or state.defaults.max_tokens
-    if limit is None:  # as long as the model allows (the engine ends it at its limit)
-        limit = max(1, state.client.max_model_len - len(prompt))
+    limit = max_new_tokens(
+        body.max_completion_tokens or body.max_tokens,
+        state.defaults.max_tokens,
+        len(prompt),
+        state.client.max_model_len,
+        max_tokens_name,
+    )
     options = sampling_options(
         body,
         detokenize=state.text.has_tokenizer,
@@ -152,6 +157,8 @@ def template_message(message: ChatMessage, where: str) -> dict[str, Any]:
         rendered["name"] = message.name
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:  # templates of reasoning models read it
+        rendered["reasoning_content"] = message.reasoning_content
     if message.tool_calls:
         rendered["tool_calls"] = []
         for j, call in enumerate(message.tool_calls):

@@ -94,6 +94,29 @@ class ServerState:
             )
 
 
+def max_new_tokens(
+    requested: int | None, default: int | None, prompt_len: int, max_model_len: int, param: str
+) -> int:
+    """A prompt's output limit. What the request asks must fit beside the prompt in the
+    model's length, or it is vLLM's 400: a client must not mistake the engine's cut for its
+    own limit. A default is cut to fit; no default means as long as the model allows. A
+    prompt that fills the length alone is left to the engine, whose 400 says so."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        return requested or default or 1
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(
+            400,
+            f"{param} is too large: {requested}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({requested} > {max_model_len} - {prompt_len})",
+            param=param,
+        )
+    return requested
+
+
 def sampling_options(
     request: _SamplingFields,
     *,

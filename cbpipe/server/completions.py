@@ -25,6 +25,7 @@ from cbpipe.server.common import (
     ServerState,
     cancelled_on_disconnect,
     first_batch_then,
+    max_new_tokens,
     new_id,
     now_s,
     sampling_options,
@@ -58,11 +59,13 @@ async def create_completion(
         logprobs=logprobs,
         prompt_logprobs=logprobs if body.echo and logprobs is not None else None,
     )
-    max_tokens = body.max_tokens or state.defaults.max_tokens or DEFAULT_MAX_TOKENS
+    default = state.defaults.max_tokens or DEFAULT_MAX_TOKENS
+    model_len = state.client.max_model_len
+    limits = [
+        max_new_tokens(body.max_tokens, default, len(p), model_len, "max_tokens") for p in prompts
+    ]
     try:
-        generation = Generation(
-            state.client, state.metrics, prompts, [max_tokens] * len(prompts), options
-        )
+        generation = Generation(state.client, state.metrics, prompts, limits, options)
     except Exception as exc:
         raise from_engine(exc) from None
     format = _Format(state.text, body, prompts, texts, n)

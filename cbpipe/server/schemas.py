@@ -8,9 +8,11 @@ Types are strict: ``"5"`` is not an integer and ``1`` is not a boolean.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 
@@ -35,8 +37,48 @@ UNION_TYPES = {
 }
 
 
+# Fields that may only be null, and why: a value is a 400 that says so.
+NULL_ONLY = {
+    "suffix": "suffix (insertion) is not supported by cbpipe",
+    "audio": "cbpipe makes no audio, so no earlier reply of its can carry any",
+    "function_call": "the deprecated function_call is not supported: use tool_calls",
+}
+
+# JSON's \uXXXX escapes can spell half of a UTF-16 pair alone: a Python string holds it, but
+# it is no text, and a tokenizer or an encoder meets it only to fail.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        _refuse_surrogates(value)
+        return value
+
+
+def _refuse_surrogates(value: Any) -> None:
+    """Raise for a lone surrogate anywhere in ``value``'s strings and keys (nested models
+    check their own fields)."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "holds an unpaired UTF-16 surrogate ({code}), which is not text",
+                {"code": f"\\u{ord(found.group()):04x}"},
+            )
+    elif isinstance(value, list):
+        if value and isinstance(value[0], int):
+            return  # token ids: the list's type is checked whole already
+        for item in value:
+            _refuse_surrogates(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_surrogates(key)
+            _refuse_surrogates(item)
 
 
 class StreamOptions(_Strict):
@@ -117,6 +159,13 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's answer: the call it answers
+    # An earlier reply sent back as the openai package gives it (``message.model_dump()``
+    # has every field of OpenAI's assistant message, null or not).
+    reasoning_content: str | None = None  # vLLM's: shown to the chat template
+    refusal: str | None = None  # ignored: the model's text is in content
+    annotations: list[Any] | None = None  # ignored: OpenAI's citations of a web search
+    audio: None = None  # NULL_ONLY
+    function_call: None = None  # NULL_ONLY
 
 
 class FunctionDefinition(_Strict):

@@ -194,6 +194,27 @@ def test_chat_uses_the_chat_template(api: openai.OpenAI, hf: Any) -> None:
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
 
 
+def test_a_reply_sent_back_as_the_openai_package_gives_it_continues_the_chat(
+    api: openai.OpenAI, http: httpx.Client
+) -> None:
+    """The usual loop appends ``reply.choices[0].message``: the package's model of it, with
+    every field of OpenAI's assistant message (``refusal``, ``audio``, ``function_call``,
+    ``annotations``) whether null or not. The template sees the same conversation as the
+    plain one."""
+    messages: list[Any] = [{"role": "user", "content": "Hello"}]
+    first = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                        temperature=0)  # type: ignore[arg-type]  # fmt: skip
+    sent_back = first.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(sent_back)
+    conversation = [*messages, sent_back, {"role": "user", "content": "And?"}]
+    second = api.chat.completions.create(model=MODEL, messages=conversation, max_tokens=4,
+                                         temperature=0)  # fmt: skip
+    plain = [*messages, {"role": "assistant", "content": sent_back["content"]},
+             {"role": "user", "content": "And?"}]  # fmt: skip
+    counted = http.post("/tokenize", json={"messages": plain}).json()["count"]
+    assert second.usage is not None and second.usage.prompt_tokens == counted
+
+
 def test_tokenize_counts_what_the_generation_endpoints_send(
     api: openai.OpenAI, http: httpx.Client, hf: Any
 ) -> None:
@@ -448,6 +469,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),  # past the model's length
         ({"prompt": "x", "temperature": -1.0}, "temperature"),
         ({"prompt": "x", "top_p": "high"}, "top_p"),
         ({"prompt": "x", "echo": 1}, "echo"),
@@ -483,12 +505,67 @@ def test_bad_completion_requests_are_400s(
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6},
+         "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"},
+                       {"role": "assistant", "content": "y", "audio": {"id": "a"}}]},
+         "messages[1].audio"),
+        ({"messages": [{"role": "user", "content": "x"},
+                       {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
+         "messages[1].function_call"),
     ],
 )  # fmt: skip
 def test_bad_chat_requests_are_400s(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert error_of(response)["param"] == param
+
+
+def test_max_tokens_that_would_pass_the_models_length_is_a_400_saying_so(
+    http: httpx.Client,
+) -> None:
+    model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    prompt = [5] * (model_len - 3)
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    message = error_of(response)["message"]
+    assert f"maximum context length is {model_len} tokens" in message
+    assert f"{model_len - 3} input tokens" in message
+    # What fits is served, and a default is cut to fit rather than refused.
+    for body in ({"max_tokens": 3}, {}):
+        reply = http.post("/v1/completions", json={"prompt": prompt, "ignore_eos": True, **body,
+                                                   "return_token_ids": True})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        assert len(reply.json()["choices"][0]["token_ids"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stop": ["\udfff"]}, "stop"),
+        ("/v1/completions", {"prompt": "x", "metadata": {"\ud800": "k"}}, "metadata"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]},
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+         "messages[0].content"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_a_400_and_the_connection_serves_on(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str
+) -> None:
+    # json.dumps writes the lone surrogate as a \u escape, as a JavaScript client that cut
+    # an emoji in half sends it: valid JSON that is not text.
+    response = http.post(path, content=json.dumps(body).encode(),
+                         headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == param and "surrogate" in error["message"], error
+    assert http.post("/tokenize", json={"prompt": "still here"}).status_code == 200
 
 
 def test_bad_json_is_a_400(http: httpx.Client) -> None:
