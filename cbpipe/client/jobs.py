@@ -222,7 +222,7 @@ class Result:
     logprobs: list[float] | None = None  # one per generated token, when asked for
     top_logprobs: list[TopLogprobs] | None = None
     prompt_logprobs: PromptLogprob | None = None
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    stop_reason: str | int | None = None  # the stop string or stop token id; None at EOS
     queue_time_s: float = 0.0  # from arrival to its first step
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, not computed
 

@@ -234,7 +234,8 @@ class Frontend:
         for req in reqs:
             self._job_of[req.request_id] = job
             if self.detokenizer is not None and req.params.detokenize:
-                job.texts[req.request_id] = self.detokenizer.sample(req.params.stop)
+                params = req.params
+                job.texts[req.request_id] = self.detokenizer.sample(params.stop, params.min_tokens)
             req.arrival_ns = arrival_ns
             self.num_prompt_tokens += req.num_prompt_tokens
             self.scheduler.add_request(req)

@@ -81,7 +81,8 @@ class Request:
     end_token_ids: frozenset[int] = field(init=False)
     num_preemptions: int = 0
     sample_index: int = 0  # which of its job's ``n`` samples this request is
-    # What stopped it: a stop token id, or the stop string the text stage matched.
+    # What stopped it, as vLLM has it: one of its stop token ids, or the stop string the text
+    # stage matched; None at EOS or a length limit.
     stop_reason: int | str | None = None
     # Set by the process loop: when the request arrived and was first scheduled (host clock).
     arrival_ns: int = 0
@@ -192,8 +193,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self.num_known_tokens += 1
         # Ending tokens are banned on the device until min_tokens outputs exist.
-        if token_id in self.end_token_ids and len(self.output_token_ids) > self.params.min_tokens:
-            self.stop_reason = token_id
+        params = self.params
+        if token_id in self.end_token_ids and len(self.output_token_ids) > params.min_tokens:
+            # vLLM's: EOS (checked first) has no stop reason; a stop token is its own.
+            at_eos = token_id in self.eos_token_ids and not params.ignore_eos
+            self.stop_reason = None if at_eos else token_id
             return RequestStatus.FINISHED_STOPPED
         if self.num_known_tokens >= self.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -10,7 +10,9 @@ A sample's text is the concatenation of what it streamed: the tokenizer's whole-
 clean-up (``clean_up_tokenization_spaces``) is not applied, as in vLLM, so streamed and final
 text never disagree. With stop strings, text that a later match could still cut is held
 back (up to the longest stop string's length minus one character), so nothing streamed is
-ever retracted; the matched stop string and everything after it is never returned.
+ever retracted; the matched stop string and everything after it is never returned. As in vLLM,
+stop strings are looked for only once a sample has more than ``min_tokens`` tokens, in the
+text that each token adds (a match may begin up to its length minus one character earlier).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ class SampleText:
 
     stream: _TokenStream
     stop: tuple[str, ...]
+    min_tokens: int = 0  # stop strings match only once the sample has more tokens than this
     text: str = ""
     released: int = 0  # characters of ``text`` streamed
+    num_tokens: int = 0  # tokens added
     stopped_by: str | None = None
     _hold: int = field(init=False)
 
@@ -108,13 +112,15 @@ class SampleText:
         text where it starts and sets ``stopped_by``; nothing is added after that."""
         if self.stopped_by is not None:
             return ""
+        self.num_tokens += 1
         piece = self.stream.step(token_id)
         if not piece:
             return ""
-        start = max(len(self.text) - self._hold, 0)  # a match may begin in held-back text
+        searched = len(self.text)  # a match must end in the new piece
         self.text += piece
-        if self.stop:
-            match = _earliest_match(self.text, self.stop, start)
+        # As vLLM: only a match ending in text added after the min_tokens-th token counts.
+        if self.stop and self.num_tokens > self.min_tokens:
+            match = _earliest_match(self.text, self.stop, searched)
             if match is not None:
                 at, self.stopped_by = match
                 self.text = self.text[:at]
@@ -134,8 +140,10 @@ class SampleText:
         return delta
 
 
-def _earliest_match(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
-    found = [(at, s) for s in stops if (at := text.find(s, start)) >= 0]
+def _earliest_match(text: str, stops: tuple[str, ...], searched: int) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after its first ``searched`` characters
+    (each looks back its own length, so none is found wholly in text searched before)."""
+    found = [(at, s) for s in stops if (at := text.find(s, max(searched - len(s) + 1, 0))) >= 0]
     return min(found) if found else None
 
 
@@ -146,10 +154,10 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
-    def sample(self, stop: tuple[str, ...]) -> SampleText:
+    def sample(self, stop: tuple[str, ...], min_tokens: int = 0) -> SampleText:
         stream: _TokenStream
         if self._backend is not None:
             stream = _FastStream(self._backend)
         else:
             stream = _WindowStream(self.tokenizer)
-        return SampleText(stream, stop)
+        return SampleText(stream, stop, min_tokens)

@@ -109,6 +109,50 @@ def test_a_stop_string_ends_the_job_and_is_not_returned(text_client: Client) -> 
 
 
 @needs_text_model
+def test_min_tokens_holds_off_stop_strings(text_client: Client, tokenizer: Any) -> None:
+    """As vLLM: a stop string matches only where it ends in text decoded after the first
+    ``min_tokens`` tokens; one completed earlier never ends the job."""
+    options: dict[str, Any] = {"max_new_tokens": 24, "ignore_eos": True}
+    reference = text_client.submit(PROMPTS[0], **options).result(timeout=RESULT_TIMEOUT_S)
+    assert reference.text is not None
+    ids = reference.token_ids
+    early = len(tokenizer.decode(ids[:2], skip_special_tokens=True))
+    stop = reference.text[max(early - 3, 0) : early]  # completed by the 2nd token
+    boundary = len(tokenizer.decode(ids[:3], skip_special_tokens=True))
+    at = reference.text.find(stop, boundary - len(stop) + 1)
+    job = text_client.submit(PROMPTS[0], stop=[stop], min_tokens=3, **options)
+    streamed = "".join(d.text for d in job.deltas(timeout=RESULT_TIMEOUT_S))
+    result = job.result(timeout=RESULT_TIMEOUT_S)
+    if at < 0:
+        assert (result.finish_reason, result.stop_reason) == ("length", None)
+        assert result.text == streamed == reference.text
+    else:
+        assert (result.finish_reason, result.stop_reason) == ("stop", stop)
+        assert result.text == streamed == reference.text[:at]
+    assert result.token_ids == ids[: len(result.token_ids)]
+
+
+@needs_text_model
+def test_stop_reason_is_a_stop_token_and_none_at_eos(text_client: Client, tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    at_eos = text_client.submit(PROMPTS[0], max_new_tokens=8, logit_bias={eos: 100}).result(
+        timeout=RESULT_TIMEOUT_S
+    )
+    assert (at_eos.token_ids, at_eos.finish_reason, at_eos.stop_reason) == ([eos], "stop", None)
+    options: dict[str, Any] = {"max_new_tokens": 8, "ignore_eos": True}
+    first = text_client.submit(PROMPTS[0], **options).result(timeout=RESULT_TIMEOUT_S)
+    stop_id = first.token_ids[0]
+    at_stop = text_client.submit(PROMPTS[0], stop_token_ids=[stop_id], **options).result(
+        timeout=RESULT_TIMEOUT_S
+    )
+    assert (at_stop.token_ids, at_stop.finish_reason, at_stop.stop_reason) == (
+        [stop_id],
+        "stop",
+        stop_id,
+    )
+
+
+@needs_text_model
 def test_n_samples_of_one_prompt(text_client: Client) -> None:
     job = text_client.submit(PROMPTS[2], max_new_tokens=12, n=3, temperature=1.0, seed=5)
     results = job.results(timeout=RESULT_TIMEOUT_S)

@@ -156,6 +156,44 @@ def test_a_stop_string_finishes_the_sample_and_is_not_returned() -> None:
     assert scheduler.is_idle and scheduler.blocks.num_free_blocks == 64
 
 
+def test_min_tokens_holds_off_a_stop_string() -> None:
+    """As vLLM: "the" completed by the 2nd output token (within min_tokens) ends nothing; the
+    next "the" does."""
+    frontend, socket = make_frontend(with_tokenizer=True)
+    text = "Return the list of all the elements"
+    ids = tokenizer()(text, add_special_tokens=False).input_ids
+    submit(frontend, socket, 1, "Return", max_new_tokens=40, stop=("the",), min_tokens=2,
+           ignore_eos=True)  # fmt: skip
+    scheduler = frontend.scheduler
+    step = 0
+    while scheduler.requests:
+        plan = scheduler.schedule()
+        frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step % len(ids)]})))
+        step += 1
+    (finished,) = socket.of_type(Finished)
+    assert (finished.finish_reason, finished.stop_reason) == ("stop", "the")
+    assert finished.text == "Return the list of all "
+    texts = "".join(t for frame in socket.of_type(Tokens) for t in frame.texts or [])
+    assert texts == finished.text
+    assert streamed(socket) == ids[:6]
+
+
+def test_stop_reason_is_a_stop_token_and_none_at_eos() -> None:
+    """vLLM's: the id of one of the job's stop tokens; None at EOS, even when EOS is one of
+    them (EOS is checked first), unless the job ignores EOS."""
+    frontend, socket = make_frontend()
+    jobs = {1: {}, 2: {"stop_token_ids": (9,)}, 3: {"stop_token_ids": (EOS,)},
+            4: {"stop_token_ids": (EOS,), "ignore_eos": True}}  # fmt: skip
+    for request_id, params in jobs.items():
+        submit(frontend, socket, request_id, [5, 6], max_new_tokens=4, **params)
+    scheduler = frontend.scheduler
+    plan = scheduler.schedule()
+    ends = [9 if s.req.params.stop_token_ids == (9,) else EOS for s in plan.seqs]
+    frontend.publish(scheduler.update(plan, StepOutput.of_ids(ends)))
+    reasons = {f.request_id: (f.finish_reason, f.stop_reason) for f in socket.of_type(Finished)}
+    assert reasons == {1: ("stop", None), 2: ("stop", 9), 3: ("stop", None), 4: ("stop", EOS)}
+
+
 def test_prompt_logprobs_are_sent_once_before_the_first_token() -> None:
     frontend, socket = make_frontend()
     submit(frontend, socket, 1, [5, 6, 7, 8], max_new_tokens=2, prompt_logprobs=2, n=2)

@@ -128,6 +128,7 @@ def test_a_row_after_eos_is_wasted_not_applied() -> None:
     second = scheduler.schedule()
     scheduler.update(first, StepOutput.of_ids([EOS]))
     assert req.status is RequestStatus.FINISHED_STOPPED
+    assert req.stop_reason is None  # vLLM's: no stop reason at EOS
     assert scheduler.update(second, StepOutput.of_ids([11])) == []
     assert req.output_token_ids == [EOS]
     assert scheduler.blocks.num_free_blocks == 64
@@ -141,7 +142,7 @@ def test_stop_token_ids_and_ignore_eos() -> None:
     scheduler.add_request(ignores)
     plan = scheduler.schedule()
     scheduler.update(plan, StepOutput.of_ids([6, EOS]))
-    assert stops.status is RequestStatus.FINISHED_STOPPED
+    assert stops.status is RequestStatus.FINISHED_STOPPED and stops.stop_reason == 6
     assert ignores.status is RequestStatus.RUNNING
     plan = scheduler.schedule()
     scheduler.update(plan, StepOutput.of_ids([EOS]))

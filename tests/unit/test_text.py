@@ -89,3 +89,34 @@ def test_nothing_is_added_after_a_stop() -> None:
     pieces = stream_all(sample, token_ids(TEXT))
     assert "".join(pieces) == "Return the "
     assert sample.add(token_ids(" more")[0]) == ""
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "window"])
+@pytest.mark.parametrize(
+    ("stops", "min_tokens", "stopped_by", "text"),
+    [
+        # "the" completed by the 2nd token is never matched; the next "the" is.
+        (("the",), 2, "the", "Return the list of all "),
+        (("the",), 1, "the", "Return "),
+        # As vLLM: a match may start in the first min_tokens tokens' text and end after it...
+        (("the list",), 2, "the list", "Return "),
+        # ...but one that ends in that text is never matched later.
+        (("the list",), 3, None, TEXT),
+        # Each stop string looks back its own length, not the longest one's.
+        (("the", "the list of all the elements!"), 2, "the", "Return the list of all "),
+    ],
+)
+def test_min_tokens_holds_off_stop_strings(
+    slow: bool, stops: tuple[str, ...], min_tokens: int, stopped_by: str | None, text: str
+) -> None:
+    detokenizer = Detokenizer(SlowTokenizer(tokenizer()) if slow else tokenizer())
+    sample = detokenizer.sample(stops, min_tokens)
+    released = ""
+    for token in token_ids(TEXT):
+        released += sample.add(token)
+        assert text.startswith(released)  # nothing streamed is cut later
+        if sample.stopped_by is not None:
+            break
+    released += sample.release()
+    assert (sample.stopped_by, sample.text) == (stopped_by, text)
+    assert released == text
