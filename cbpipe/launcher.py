@@ -123,7 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(config.log_level, "launcher")
-    sys.exit(Launcher(config).run())
+    code = Launcher(config).run()
+    # Everything is stopped and removed. Python puts its own handlers back to the default
+    # as it finalizes (a second or more after torch's imports), and a signal then, a second
+    # Ctrl-C say, would end a clean stop as "killed by SIGTERM"; ignored ones it leaves.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -272,8 +272,9 @@ class AsyncClient:
         except TimeoutError:
             raise EngineError(f"the engine did not answer within {timeout:.0f} s") from None
 
-    async def close(self) -> None:
-        """Cancel this client's unfinished jobs on the engine and release the sockets."""
+    async def close(self, reason: str = "the client was closed") -> None:
+        """Cancel this client's unfinished jobs on the engine and release the sockets; the
+        jobs' readers get an ``EngineError`` saying ``reason``."""
         if self._closing:
             return
         if self._failure is None and self._welcome is not None:
@@ -285,7 +286,7 @@ class AsyncClient:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._fail_all(EngineError("the client was closed"))
+        self._fail_all(EngineError(reason))
         self._socket.disable_monitor()  # before its reader goes: see scheduler.process._close
         self._monitor.close(linger=0)
         self._socket.close(linger=CLOSE_LINGER_MS)

@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from multiprocessing.connection import Connection
 
 import uvicorn
@@ -28,8 +28,9 @@ from cbpipe.protocol.shm import AttachedSegment
 log = logging.getLogger("cbpipe.server")
 
 CONNECT_TIMEOUT_S = 60.0
-GRACEFUL_SHUTDOWN_S = 2  # open streams are closed after this; their jobs are cancelled
+GRACEFUL_SHUTDOWN_S = 2  # connections still open this long after the stop begins are cut
 HEARTBEAT_INTERVAL_S = 0.5
+SHUTDOWN_REASON = "the server is shutting down"
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -128,7 +129,14 @@ async def _serve(
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             lifespan="off",
         )
-        server = _Server(config, lambda: ready.send(("ready", f"http={url_of(sock)}")))
+        server = _Server(
+            config,
+            on_started=lambda: ready.send(("ready", f"http={url_of(sock)}")),
+            # Every open request ends now, as the README promises a request whose engine
+            # went away: a 503, or an error event before a stream's [DONE]. Left to
+            # uvicorn's graceful timeout, they would be cut (a 500, a stream without end).
+            on_stopping=lambda: client.close(reason=SHUTDOWN_REASON),
+        )
         beating = asyncio.ensure_future(_beat(beat))
         try:
             await server.serve(sockets=[sock])
@@ -139,17 +147,29 @@ async def _serve(
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, reporting ready once it accepts, and stopping on SIGTERM only (the
-    launcher decides how to stop; Ctrl-C reaches the whole group)."""
+    """uvicorn's server, reporting ready once it accepts, ending its open requests as it
+    begins to stop, and stopping on SIGTERM only (the launcher decides how to stop; Ctrl-C
+    reaches the whole group)."""
 
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        on_started: Callable[[], None],
+        on_stopping: Callable[[], Awaitable[None]],
+    ) -> None:
         super().__init__(config)
         self._on_started = on_started
+        self._on_stopping = on_stopping
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if not self.should_exit:
             self._on_started()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._on_stopping()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
