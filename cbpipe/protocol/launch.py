@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from cbpipe.config import EngineConfig
 from cbpipe.protocol.liveness import HeartbeatTable
+from cbpipe.protocol.security import new_results_token
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 
 
@@ -61,6 +62,8 @@ class RunSpec:
     run_dir: str  # the ipc sockets' folder, removed with the run
     process_names: tuple[str, ...]  # the children, in the order of the heartbeat table
     rendezvous: Rendezvous | None = None  # with --tensor-parallel-size > 1 only
+    # Every frame on the results socket carries it (``security.seal``); others are ignored.
+    results_token: bytes = field(default_factory=new_results_token, repr=False)
 
     @property
     def worker_names(self) -> tuple[str, ...]:

@@ -13,8 +13,10 @@ any frame is read).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 import re
+import secrets
 from dataclasses import dataclass
 
 import zmq
@@ -79,3 +81,27 @@ class CurveKeys:
 def _secret(api_key: str, person: bytes) -> bytes:
     digest = hashlib.blake2b(api_key.encode(), digest_size=32, person=person).digest()
     return zmq.utils.z85.encode(digest)
+
+
+# --- the worker's results socket --------------------------------------------------------------
+
+RESULTS_TOKEN_BYTES = 16
+
+
+def new_results_token() -> bytes:
+    """A run's secret for its results socket, made by the launcher and known to its children
+    only. The socket's folder keeps other users out, but not another process of the same
+    user: a ``StepDone`` from one would apply a step's outputs before the device wrote them."""
+    return secrets.token_bytes(RESULTS_TOKEN_BYTES)
+
+
+def seal(token: bytes, frame: bytes) -> bytes:
+    """A worker's frame as it goes on the results socket: the run's token first."""
+    return token + frame
+
+
+def unseal(token: bytes, sealed: bytes) -> bytes | None:
+    """The frame a worker of this run sealed, or None for one that does not carry the token."""
+    if not hmac.compare_digest(sealed[: len(token)], token):
+        return None
+    return sealed[len(token) :]

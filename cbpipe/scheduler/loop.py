@@ -32,6 +32,7 @@ from cbpipe.protocol.messages import (
     decode,
     encode,
 )
+from cbpipe.protocol.security import unseal
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend
 from cbpipe.scheduler.packer import BatchPacker
@@ -119,6 +120,7 @@ class EngineLoop:
         steps_socket: zmq.Socket,
         results_socket: zmq.Socket,
         worker_monitor: zmq.Socket,
+        results_token: bytes = b"",
         max_in_flight: int,
         pack_delay_s: float,
         heartbeats: HeartbeatTable,
@@ -132,6 +134,7 @@ class EngineLoop:
         self.client_socket = client_socket
         self.steps_socket = steps_socket
         self.results_socket = results_socket
+        self.results_token = results_token  # b"": frames carry none (tests' fake workers)
         self.worker_monitor = worker_monitor
         if not 1 <= max_in_flight <= packer.layout.num_slots:
             raise ValueError(
@@ -277,7 +280,12 @@ class EngineLoop:
         if self.client_socket in events:
             take_messages(lambda: bool(self.client_socket.poll(0)), self.frontend.receive)
 
-    def _on_result(self, frame: bytes) -> None:
+    def _on_result(self, sealed: bytes) -> None:
+        frame = unseal(self.results_token, sealed)
+        if frame is None:
+            # Another process of this user: whatever it says, it says nothing of the steps.
+            log.warning("ignored a frame on the results socket without the run's token")
+            return
         try:
             message = decode(frame, expected=(StepDone, WorkerFailed))
         except ProtocolError as exc:

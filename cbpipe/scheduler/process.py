@@ -19,7 +19,7 @@ from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import MAX_FRAME_BYTES, WorkerFailed, WorkerReady, decode
-from cbpipe.protocol.security import CurveKeys, uses_curve
+from cbpipe.protocol.security import CurveKeys, unseal, uses_curve
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler
@@ -155,7 +155,11 @@ class _AllowKey:
 def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegment) -> EngineLoop:
     config = spec.config
     hello = _wait_for_workers(
-        sockets["results"], sockets["steps"], len(spec.worker_names), config.ready_timeout_s
+        sockets["results"],
+        spec.results_token,
+        sockets["steps"],
+        len(spec.worker_names),
+        config.ready_timeout_s,
     )
     source = resolve_model(config.model.model, config.model.revision)
     tokenizer = None
@@ -203,6 +207,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         client_socket=sockets["clients"],
         steps_socket=sockets["steps"],
         results_socket=sockets["results"],
+        results_token=spec.results_token,
         worker_monitor=sockets["monitor"],
         max_in_flight=config.scheduler.max_in_flight,
         pack_delay_s=config.scheduler.debug_scheduler_delay_ms / 1e3,
@@ -216,7 +221,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
 
 
 def _wait_for_workers(
-    results: zmq.Socket, steps: zmq.Socket, num_ranks: int, timeout_s: float
+    results: zmq.Socket, token: bytes, steps: zmq.Socket, num_ranks: int, timeout_s: float
 ) -> WorkerReady:
     """Every worker rank's ``WorkerReady`` and its subscription to the steps, then one
     report for all: rank 0's, with the fewest KV blocks any rank holds (the ranks agree
@@ -239,7 +244,11 @@ def _wait_for_workers(
         if steps in events and steps.recv()[:1] == b"\x01":  # a subscription, not its end
             subscribed += 1
         if results in events:
-            message = decode(results.recv(), expected=(WorkerReady, WorkerFailed))
+            frame = unseal(token, results.recv())
+            if frame is None:
+                log.warning("ignored a frame on the results socket without the run's token")
+                continue
+            message = decode(frame, expected=(WorkerReady, WorkerFailed))
             if isinstance(message, WorkerFailed):
                 raise RuntimeError(f"worker failed to start: {message.message}")
             assert isinstance(message, WorkerReady)

@@ -35,6 +35,7 @@ from cbpipe.protocol.messages import (
     decode,
     encode,
 )
+from cbpipe.protocol.security import seal
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
 from cbpipe.worker.blas import use_blas_library
@@ -86,7 +87,7 @@ def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(
         target=_send_completions,
-        args=(context, spec.addresses.worker_results, outbox, rank == 0),
+        args=(context, spec.addresses.worker_results, spec.results_token, outbox, rank == 0),
         name="completions",
         daemon=True,
     )
@@ -329,7 +330,7 @@ def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
 
 
 def _send_completions(
-    context: zmq.Context, address: str, outbox: queue.Queue, reports_steps: bool
+    context: zmq.Context, address: str, token: bytes, outbox: queue.Queue, reports_steps: bool
 ) -> None:
     """Owns the results socket: reports each step once its outputs are in shared memory
     (``reports_steps``: rank 0; the other ranks wait for each step too, so that a device
@@ -340,10 +341,10 @@ def _send_completions(
         while (item := outbox.get()) is not _STOP:
             message: Message = item.wait() if isinstance(item, LaunchedStep) else item
             if reports_steps or not isinstance(message, StepDone):
-                results.send(encode(message))
+                results.send(seal(token, encode(message)))
     except Exception as exc:
         log.exception("step failed on the device")
-        results.send(encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        results.send(seal(token, encode(WorkerFailed(f"{type(exc).__name__}: {exc}"))))
         results.close(linger=1000)
         os._exit(1)  # the main thread may be blocked on a receive; the launcher notices
     results.close(linger=1000)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cbpipe.client import Client
-from cbpipe.protocol import PROTOCOL_VERSION
+from cbpipe.protocol import PROTOCOL_VERSION, StepDone, WorkerFailed, encode
 from tests.integration.conftest import VOCAB_SIZE, EngineRun
 from tests.integration.helpers import RESULT_TIMEOUT_S, RawConnection
 
@@ -155,6 +155,24 @@ def test_client_socket_fuzz(
 def test_results_socket_fuzz(
     engine: EngineRun, reference: tuple[Client, list[int]], frame: bytes
 ) -> None:
+    send_to_results_socket(engine, [frame])
+    assert_still_serves(reference)
+
+
+def test_well_formed_worker_messages_from_another_process_are_ignored(
+    engine: EngineRun, reference: tuple[Client, list[int]]
+) -> None:
+    """Frames a worker would send, from a process that is not one of the run's: without the
+    run's token they are ignored, or one would end the engine (a failure, a step out of
+    order) or apply a step's outputs before the device wrote them."""
+    forged = [
+        StepDone(step, 0, 0, 0, 0, 0, 0) for step in (*range(64), 10**9)
+    ]  # the steps in flight among them
+    send_to_results_socket(engine, [*map(encode, forged), encode(WorkerFailed("forged"))])
+    assert_still_serves(reference)
+
+
+def send_to_results_socket(engine: EngineRun, frames: list[bytes]) -> None:
     address = "ipc://" + os.path.join(
         os.path.dirname(engine.address.removeprefix("ipc://")), "results.sock"
     )
@@ -162,7 +180,7 @@ def test_results_socket_fuzz(
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(address)
-    push.send(frame)
+    for frame in frames:
+        push.send(frame)
     push.close()
     context.term()
-    assert_still_serves(reference)
