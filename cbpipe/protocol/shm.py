@@ -13,7 +13,7 @@ import contextlib
 import mmap
 import os
 import secrets
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "cbpipe-"
@@ -24,7 +24,11 @@ def new_segment_name() -> str:
 
 
 def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    """A new segment, left out of multiprocessing's resource tracker: who removes it is ours
+    to say (the launcher, its children when it is killed, the next launch). Tracked, a killed
+    launcher's tracker would warn of a "leak" that the children had already removed."""
     segment = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     assert segment.buf is not None
     segment.buf[:nbytes] = bytes(nbytes)  # touch every page now, not on the first step
     return segment
@@ -32,8 +36,7 @@ def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
 
 def remove_segment(segment: shared_memory.SharedMemory) -> None:
     segment.close()
-    with contextlib.suppress(FileNotFoundError):
-        segment.unlink()
+    unlink_segment(segment.name)  # not segment.unlink(): it would tell the tracker too
 
 
 def unlink_segment(name: str) -> None:

@@ -209,6 +209,7 @@ def test_children_stop_and_clean_up_when_the_launcher_is_killed() -> None:
     assert not alive, f"children outlived the launcher: {alive}\nstderr:\n{engine.stderr[-4000:]}"
     assert not leftover_segments(launcher)
     assert not os.path.exists(run_dir)
+    assert "leaked shared_memory" not in engine.stderr  # the segment is not the tracker's
     if "Timeout (" in engine.stderr:  # the contract held, but through the watchdog
         warnings.warn(f"a child's orderly stop hung:\n{engine.stderr[-4000:]}", stacklevel=1)
 
