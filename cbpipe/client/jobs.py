@@ -171,13 +171,28 @@ def submit_frame(
     """The validated parameters and the encoded ``Submit`` of one job; ``RequestError`` for a
     bad parameter or prompt, or a frame over the engine's limit."""
     params = make_params(max_new_tokens, options)
-    frame = encode(Submit(request_id, prompt_payload(prompt), params))
+    try:
+        frame = encode(Submit(request_id, prompt_payload(prompt), params))
+    except UnicodeEncodeError as exc:  # half of a UTF-16 pair, say: no UTF-8 spells it
+        where = _field_holding(exc.object, prompt, params)
+        raise RequestError(
+            f"{where} holds {exc.object[exc.start : exc.end]!r}, which is not text (an "
+            f"unpaired UTF-16 surrogate)"
+        ) from None
     if len(frame) > max_frame_bytes:
         raise RequestError(
             f"request of {len(frame)} bytes exceeds the engine's frame limit of "
             f"{max_frame_bytes} bytes"
         )
     return params, frame
+
+
+def _field_holding(text: object, prompt: object, params: SamplingParams) -> str:
+    if text is prompt:
+        return "prompt"
+    if text == params.cache_salt:
+        return "cache_salt"
+    return "stop" if text in params.stop else "the request"
 
 
 TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), most likely first

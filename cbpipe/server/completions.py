@@ -38,6 +38,9 @@ from cbpipe.server.schemas import CompletionRequest
 from cbpipe.server.text import Text, TextError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
+# Choices (prompts x n) one request may ask for: each is a job, and one request's thousands
+# of jobs would hold the scheduler's admission for seconds, all other clients behind them.
+MAX_CHOICES = 2048
 
 
 async def create_completion(
@@ -47,6 +50,15 @@ async def create_completion(
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
         raise APIError(400, "best_of must equal n: every sample drawn is returned", param="best_of")
+    single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
+    choices = n * (1 if single else len(body.prompt))
+    if choices > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"this request asks for {choices} choices (prompts x n), more than the "
+            f"{MAX_CHOICES} one request may: split it",
+            param="prompt",
+        )
     # Off the event loop: a long prompt must not stall the other streams while it tokenizes.
     texts, prompts = await asyncio.to_thread(
         _prompts, body.prompt, state.text, bool(body.add_special_tokens)

@@ -134,6 +134,22 @@ def test_prompt_of_a_wrong_type_refused_by_the_client(client: Client, prompt: An
 
 
 @pytest.mark.parametrize(
+    ("prompt", "options", "name"),
+    [
+        ("a \udcff", {}, "prompt"),
+        ([5, 6], {"stop": ["ok", "\ud800"]}, "stop"),
+        ([5, 6], {"cache_salt": "\ud800"}, "cache_salt"),
+    ],
+)
+def test_text_that_is_half_a_surrogate_pair_refused_by_the_client(
+    client: Client, prompt: Any, options: dict[str, Any], name: str
+) -> None:
+    with pytest.raises(RequestError, match=f"^{name} holds .*surrogate"):
+        client.submit(prompt, max_new_tokens=4, **options)
+    assert_client_serves(client)
+
+
+@pytest.mark.parametrize(
     "prompt",
     [
         pytest.param({"a": 1}, id="dict"),

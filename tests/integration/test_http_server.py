@@ -470,6 +470,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),  # past the model's length
+        ({"prompt": [[5, 6]] * 17, "n": 128}, "prompt"),  # 2176 choices: over MAX_CHOICES
         ({"prompt": "x", "temperature": -1.0}, "temperature"),
         ({"prompt": "x", "top_p": "high"}, "top_p"),
         ({"prompt": "x", "echo": 1}, "echo"),
@@ -854,6 +855,40 @@ def test_a_dead_engine_is_a_503(fresh_http_engine: EngineRun) -> None:
     finally:
         os.kill(fresh_http_engine.pid, signal.SIGCONT)
     assert fresh_http_engine.engine.wait_exit(RESULT_TIMEOUT_S) == 1
+
+
+def test_a_stopping_server_answers_its_open_requests(fresh_http_engine: EngineRun) -> None:
+    """SIGTERM to the launcher while a reply and a stream are open: the reply is a 503, and
+    the stream's last event before [DONE] is an error, as when the engine goes away; neither
+    is cut."""
+    import signal
+    import threading
+
+    url = fresh_http_engine.http_url
+    model_len = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    body = {"prompt": [5, 6, 7], "max_tokens": model_len - 3, "ignore_eos": True}
+    replies: list[httpx.Response] = []
+    waiting = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(url + "/v1/completions", json=body, timeout=RESULT_TIMEOUT_S)
+        )
+    )
+    waiting.start()
+    events: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=RESULT_TIMEOUT_S) as stream:  # fmt: skip
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 3:  # both requests are running by now
+                fresh_http_engine.engine.send_signal(signal.SIGTERM)
+    waiting.join(RESULT_TIMEOUT_S)
+    (reply,) = replies
+    assert reply.status_code == 503, reply.text
+    assert "shutting down" in error_of(reply)["message"]
+    assert events[-1] == "[DONE]", events[-3:]
+    assert "shutting down" in json.loads(events[-2])["error"]["message"], events[-3:]
+    assert fresh_http_engine.engine.wait_exit(RESULT_TIMEOUT_S) == 0
 
 
 # --- the model's sampling defaults ---------------------------------------------------------
