@@ -71,13 +71,21 @@ async def create_completion(
         logprobs=logprobs,
         prompt_logprobs=logprobs if body.echo and logprobs is not None else None,
     )
+    scoring = body.max_tokens == 0
+    if scoring and not body.echo:
+        message = "max_tokens 0 makes nothing: it takes echo, to score the prompt"
+        raise APIError(400, message, param="max_tokens")
     default = state.defaults.max_tokens or DEFAULT_MAX_TOKENS
     model_len = state.client.max_model_len
     limits = [
         max_new_tokens(body.max_tokens, default, len(p), model_len, "max_tokens") for p in prompts
     ]
+    if scoring:  # the engine takes a prompt to continue: one token, which is dropped
+        limits = [1] * len(prompts)
     try:
-        generation = Generation(state.client, state.metrics, prompts, limits, options)
+        generation = Generation(
+            state.client, state.metrics, prompts, limits, options, keep_outputs=not scoring
+        )
     except Exception as exc:
         raise from_engine(exc) from None
     format = _Format(state.text, body, prompts, texts, n)

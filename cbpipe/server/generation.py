@@ -8,6 +8,7 @@ disconnected, or one prompt failed and with it the whole request).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ class Generation:
     prompts: Sequence[list[int]]
     max_new_tokens: Sequence[int]
     options: SamplingOptions
+    # False: the prompts are scored, not continued (a completion's echo with max_tokens 0).
+    # The engine samples a token a job all the same; it is dropped here, as if never made.
+    keep_outputs: bool = True
     arrival_s: float = field(default_factory=time.perf_counter)
     jobs: list[AsyncJob] = field(init=False, default_factory=list)
 
@@ -91,6 +95,8 @@ class Generation:
         source = self._one() if len(self.jobs) == 1 else self._merged()
         try:
             async for batch in source:
+                if not self.keep_outputs:
+                    batch = Batch(batch.prompt_index, [_dropped(d) for d in batch.deltas])
                 self._observe(batch)
                 yield batch
         except BaseException:
@@ -101,6 +107,8 @@ class Generation:
         """Each prompt's results, by sample, once ``batches()`` is exhausted; recorded in the
         metrics."""
         results = [await job.results() for job in self.jobs]
+        if not self.keep_outputs:
+            results = [[_dropped_result(r) for r in rs] for rs in results]
         # Each prompt counts once, whatever n: the tokens its least served sample computed
         # were computed for it (the others may have found the first's blocks).
         self.num_cached_tokens = sum(
@@ -185,3 +193,26 @@ class Generation:
             clock.last_s = now
             clock.num_tokens += len(delta.token_ids)
             self.num_generated_tokens += len(delta.token_ids)
+
+
+def _dropped(delta: Delta) -> Delta:
+    """A delta of a scored prompt: its token gone, its end the length limit (of none)."""
+    finish = None if delta.finish_reason is None else _SCORED_FINISH
+    return Delta(delta.index, [], "", [] if delta.logprobs is not None else None, None, finish)
+
+
+def _dropped_result(result: Result) -> Result:
+    if result.finish_reason not in ("stop", "length"):
+        return result  # cancelled or failed: said as it is
+    return dataclasses.replace(
+        result,
+        token_ids=[],
+        text="" if result.text is not None else None,
+        logprobs=[] if result.logprobs is not None else None,
+        top_logprobs=[] if result.top_logprobs is not None else None,
+        finish_reason=_SCORED_FINISH,
+        stop_reason=None,
+    )
+
+
+_SCORED_FINISH = "length"  # zero tokens asked, zero made: the limit is what ended it

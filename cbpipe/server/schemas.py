@@ -127,7 +127,8 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(None, ge=1)  # default: the model's recommendation, or 16
+    # default: the model's recommendation, or 16; 0 with echo scores the prompt (vLLM's)
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None  # only None or n: cbpipe returns every sample it draws

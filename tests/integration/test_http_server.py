@@ -404,6 +404,35 @@ def test_echo_with_prompt_logprobs_equal_transformers(api: openai.OpenAI, hf: An
     assert [o for c in chunks for o in c.text_offset or []] == offsets
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt(api: openai.OpenAI, hf: Any) -> None:
+    """Legacy scoring (lm-evaluation-harness's loglikelihood over a completions API): the
+    prompt back with its log-probabilities, nothing generated, in a reply and a stream."""
+    prompt = "The list of the values"
+    prompt_ids = encode(hf, prompt)
+    reference = hf_logprobs(hf, prompt_ids)
+    expected = [None] + [reference[i - 1, prompt_ids[i]].item() for i in range(1, len(prompt_ids))]
+    reply = api.completions.create(model=MODEL, prompt=[prompt, prompt], max_tokens=0,
+                                   echo=True, logprobs=1, n=2)  # fmt: skip
+    assert len(reply.choices) == 4
+    for choice in reply.choices:
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        scored = choice.logprobs.token_logprobs
+        assert len(scored) == len(prompt_ids) and scored[0] is None
+        pairs = zip(scored[1:], expected[1:], strict=True)
+        assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in pairs), (scored, expected)
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (2 * len(prompt_ids), 0)
+    streamed = list(api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    choices = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in choices) == prompt
+    assert choices[-1].finish_reason == "length"
+    assert streamed[-1].usage is not None and streamed[-1].usage.completion_tokens == 0
+
+
 def test_penalties_change_greedy_output_as_transformers_does(api: openai.OpenAI, hf: Any) -> None:
     prompt_ids = encode(hf, "The list of")
     model, _ = hf
