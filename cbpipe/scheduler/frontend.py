@@ -7,8 +7,9 @@ as an ``Error`` reply (or a dropped frame when no client can be named); nothing 
 sends can reach the core unvalidated.
 
 Outbound, a step's results pass the text stage (``text.py``) on their way to the clients:
-each sample's tokens become text, and a stop string found there finishes the sample through
-``Scheduler.finish`` like any other stop.
+each sample's tokens become text (but for the EOS or stop token that ends it, as in vLLM), and
+a stop string found there finishes the sample through ``Scheduler.finish`` like any other
+stop.
 """
 
 from __future__ import annotations
@@ -372,10 +373,15 @@ class Frontend:
             delta = None
             text = job.texts.get(req.request_id) if job.texts else None
             if text is not None:
-                delta = text.add(update.token_id)
+                # vLLM's: the EOS or stop token that ends a sample adds no text. A finishing
+                # update holds the request's last output: the outputs count up to it.
+                ends = done and req.ends_on(update.token_id, len(req.output_token_ids))
+                delta = text.add(update.token_id, stop_terminated=ends)
                 if text.stopped_by is not None:
                     self._stop_on_string(req, text.stopped_by)
                     done = True
+                elif done:  # its last token: the text held back for stop strings goes with it
+                    delta += text.release()
             if req.params.prompt_logprobs is not None and not job.prompt_logprobs_sent:
                 job.prompt_logprobs_sent = True  # complete with the prompt's last chunk
                 self._send(job.origin.identity, _prompt_logprobs_frame(job, req))

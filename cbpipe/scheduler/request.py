@@ -184,6 +184,11 @@ class Request:
         """Tokens that would end the request, banned while it is short of ``min_tokens``."""
         return tuple(sorted(self.end_token_ids))
 
+    def ends_on(self, token_id: int, num_outputs: int) -> bool:
+        """Whether ``token_id``, as its ``num_outputs``-th output, ends it: EOS or one of its
+        stop tokens, once past ``min_tokens`` outputs (the device bans them until then)."""
+        return token_id in self.end_token_ids and num_outputs > self.params.min_tokens
+
     def accept_sampled(self, token_id: int) -> RequestStatus | None:
         """Take the token that its oldest pending row sampled as its next output; returns the
         finished state that the token leads to, if any."""
@@ -192,11 +197,9 @@ class Request:
             self.pending_seq_index = None
         self.output_token_ids.append(token_id)
         self.num_known_tokens += 1
-        # Ending tokens are banned on the device until min_tokens outputs exist.
-        params = self.params
-        if token_id in self.end_token_ids and len(self.output_token_ids) > params.min_tokens:
+        if self.ends_on(token_id, len(self.output_token_ids)):
             # vLLM's: EOS (checked first) has no stop reason; a stop token is its own.
-            at_eos = token_id in self.eos_token_ids and not params.ignore_eos
+            at_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
             self.stop_reason = None if at_eos else token_id
             return RequestStatus.FINISHED_STOPPED
         if self.num_known_tokens >= self.max_num_tokens:

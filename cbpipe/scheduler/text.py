@@ -12,7 +12,9 @@ text never disagree. With stop strings, text that a later match could still cut 
 back (up to the longest stop string's length minus one character), so nothing streamed is
 ever retracted; the matched stop string and everything after it is never returned. As in vLLM,
 stop strings are looked for only once a sample has more than ``min_tokens`` tokens, in the
-text that each token adds (a match may begin up to its length minus one character earlier).
+text that each token adds (a match may begin up to its length minus one character earlier);
+and the EOS or stop token that ends a sample is not decoded: its text is never returned, and
+no stop string is matched in it.
 """
 
 from __future__ import annotations
@@ -102,17 +104,22 @@ class SampleText:
     released: int = 0  # characters of ``text`` streamed
     num_tokens: int = 0  # tokens added
     stopped_by: str | None = None
+    over: bool = False  # released whole: no token adds text any more
     _hold: int = field(init=False)
 
     def __post_init__(self) -> None:
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, *, stop_terminated: bool = False) -> str:
         """Append a token; return the text now safe to stream. A stop string match cuts the
-        text where it starts and sets ``stopped_by``; nothing is added after that."""
-        if self.stopped_by is not None:
+        text where it starts and sets ``stopped_by``; nothing is added after that. The token
+        that ended the sample (``stop_terminated``: EOS or one of its stop tokens) adds no
+        text, as vLLM's detokenizer has it (without ``include_stop_str_in_output``)."""
+        if self.stopped_by is not None or self.over:
             return ""
         self.num_tokens += 1
+        if stop_terminated:
+            return ""
         piece = self.stream.step(token_id)
         if not piece:
             return ""
@@ -129,10 +136,11 @@ class SampleText:
 
     def release(self, end: int | None = None) -> str:
         """Stream the text up to ``end``; by default all of it, with what the stream still
-        held back: the sample is over."""
+        held back: the sample is over (and a second call releases nothing)."""
         if end is None:
-            if self.stopped_by is None:
+            if self.stopped_by is None and not self.over:
                 self.text += self.stream.flush()
+            self.over = True
             end = len(self.text)
         if end <= self.released:
             return ""

@@ -153,6 +153,34 @@ def test_stop_reason_is_a_stop_token_and_none_at_eos(text_client: Client, tokeni
 
 
 @needs_text_model
+def test_the_stop_token_that_ends_a_job_adds_no_text(text_client: Client, tokenizer: Any) -> None:
+    """vLLM's: the stop token that ends a job stays in its tokens, but its text is neither
+    returned nor streamed, and completes no stop string (one spanning into its text here)."""
+    options: dict[str, Any] = {"max_new_tokens": 24, "ignore_eos": True}
+    reference = text_client.submit(PROMPTS[0], **options).result(timeout=RESULT_TIMEOUT_S)
+    ids = reference.token_ids
+
+    def text_of(num_tokens: int) -> str:
+        return str(tokenizer.decode(ids[:num_tokens], skip_special_tokens=True))
+
+    # A later token, not generated before, that adds two characters or more.
+    at = next(
+        i
+        for i in range(2, len(ids))
+        if ids[i] not in ids[:i] and len(text_of(i + 1)) >= len(text_of(i)) + 2
+    )
+    before = text_of(at)
+    stop = text_of(at + 1)[len(before) - 2 : len(before) + 2]
+    assert stop not in before
+    job = text_client.submit(PROMPTS[0], stop=[stop], stop_token_ids=[ids[at]], **options)
+    deltas = list(job.deltas(timeout=RESULT_TIMEOUT_S))
+    result = job.result(timeout=RESULT_TIMEOUT_S)
+    assert (result.finish_reason, result.stop_reason) == ("stop", ids[at])
+    assert result.token_ids == [t for d in deltas for t in d.token_ids] == ids[: at + 1]
+    assert result.text == "".join(d.text for d in deltas) == before
+
+
+@needs_text_model
 def test_n_samples_of_one_prompt(text_client: Client) -> None:
     job = text_client.submit(PROMPTS[2], max_new_tokens=12, n=3, temperature=1.0, seed=5)
     results = job.results(timeout=RESULT_TIMEOUT_S)

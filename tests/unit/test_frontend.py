@@ -3,12 +3,14 @@ the text stage, stop strings and prompt log-probabilities, without a model or pr
 
 from __future__ import annotations
 
+import dataclasses
 import select
 from collections import deque
 from functools import cache
 from typing import Any
 
 import numpy as np
+import pytest
 import zmq
 
 from cbpipe.models import EMBEDDED_MODEL_DIR
@@ -192,6 +194,51 @@ def test_stop_reason_is_a_stop_token_and_none_at_eos() -> None:
     frontend.publish(scheduler.update(plan, StepOutput.of_ids(ends)))
     reasons = {f.request_id: (f.finish_reason, f.stop_reason) for f in socket.of_type(Finished)}
     assert reasons == {1: ("stop", None), 2: ("stop", 9), 3: ("stop", None), 4: ("stop", EOS)}
+
+
+@pytest.mark.parametrize("ends_as", ["stop token", "EOS"])
+def test_the_token_that_ends_a_sample_adds_no_text(ends_as: str) -> None:
+    """vLLM's: the stop token (or EOS) that ends a sample stays in its tokens, but its text is
+    neither returned nor streamed, and completes no stop string ("the list" here)."""
+    frontend, socket = make_frontend(with_tokenizer=True)
+    ids = tokenizer()("Return the list of all", add_special_tokens=False).input_ids
+    ending = ids[2]  # " list": an ordinary word
+    params: dict[str, Any] = {"stop_token_ids": (ending,)}
+    if ends_as == "EOS":
+        frontend.model = dataclasses.replace(frontend.model, eos_token_ids=frozenset({ending}))
+        params = {}
+    submit(frontend, socket, 1, "Return", max_new_tokens=40, stop=("the list",), **params)
+    scheduler = frontend.scheduler
+    step = 0
+    while scheduler.requests:
+        plan = scheduler.schedule()
+        frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step % len(ids)]})))
+        step += 1
+    (finished,) = socket.of_type(Finished)
+    stop_reason = ending if ends_as == "stop token" else None
+    assert (finished.finish_reason, finished.stop_reason) == ("stop", stop_reason)
+    assert finished.text == "Return the"
+    assert streamed(socket) == ids[:3]
+    # The text held back for the stop string is streamed with the last token.
+    texts = [t for frame in socket.of_type(Tokens) for t in frame.texts or []]
+    assert "".join(texts) == finished.text and texts[-1]
+
+
+def test_text_held_back_for_stop_strings_is_streamed_at_a_length_limit() -> None:
+    frontend, socket = make_frontend(with_tokenizer=True)
+    ids = tokenizer()("Return the list of all", add_special_tokens=False).input_ids
+    submit(frontend, socket, 1, "Return", max_new_tokens=4, stop=("never there",),
+           ignore_eos=True)  # fmt: skip
+    scheduler = frontend.scheduler
+    step = 0
+    while scheduler.requests:
+        plan = scheduler.schedule()
+        frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step]})))
+        step += 1
+    (finished,) = socket.of_type(Finished)
+    assert (finished.finish_reason, finished.text) == ("length", "Return the list of")
+    texts = "".join(t for frame in socket.of_type(Tokens) for t in frame.texts or [])
+    assert texts == finished.text
 
 
 def test_prompt_logprobs_are_sent_once_before_the_first_token() -> None:

@@ -120,3 +120,24 @@ def test_min_tokens_holds_off_stop_strings(
     released += sample.release()
     assert (sample.stopped_by, sample.text) == (stopped_by, text)
     assert released == text
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "window"])
+def test_the_token_that_ends_a_sample_adds_no_text(slow: bool) -> None:
+    """vLLM's: EOS or a stop token that ends the sample is not decoded, so it completes no
+    stop string; the text before it, held back or still incomplete, is all released, once."""
+    detokenizer = Detokenizer(SlowTokenizer(tokenizer()) if slow else tokenizer())
+    sample = detokenizer.sample(("the list",))
+    ids = token_ids("Return the list")
+    released = "".join(sample.add(t) for t in ids[:-1])
+    assert sample.add(ids[-1], stop_terminated=True) == ""
+    released += sample.release()
+    assert (sample.stopped_by, sample.text, released) == (None, "Return the", "Return the")
+    # A character cut short by the ending token reads as U+FFFD, and is flushed only once.
+    sample = detokenizer.sample(())
+    ids = token_ids("ok 🎉")
+    cut = next(i for i in range(1, len(ids)) if "\ufffd" in tokenizer().decode(ids[:i]))
+    released = "".join(sample.add(t) for t in ids[:cut])
+    assert sample.add(ids[cut], stop_terminated=True) == ""
+    released += sample.release() + sample.release()
+    assert released == sample.text == tokenizer().decode(ids[:cut])
