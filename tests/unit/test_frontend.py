@@ -139,23 +139,33 @@ def test_cancelling_a_job_cancels_every_sample() -> None:
     assert frontend.scheduler.blocks.num_free_blocks == 64
 
 
-def test_a_stop_string_finishes_the_sample_and_is_not_returned() -> None:
-    frontend, socket = make_frontend(with_tokenizer=True)
-    text = "Return the list of all the elements"
-    ids = tokenizer()(text, add_special_tokens=False).input_ids
-    submit(frontend, socket, 1, "Return", max_new_tokens=40, stop=("of all",), ignore_eos=True)
+def run_sample_through(frontend: Frontend, ids: list[int]) -> None:
+    """Step the frontend's requests to their ends, sample 0 sampling ``ids`` in turn (from
+    the start again when they run out)."""
     scheduler = frontend.scheduler
     step = 0
     while scheduler.requests:
         plan = scheduler.schedule()
         frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step % len(ids)]})))
         step += 1
+
+
+def streamed_text(socket: FakeSocket) -> str:
+    return "".join(t for frame in socket.of_type(Tokens) for t in frame.texts or [])
+
+
+def test_a_stop_string_finishes_the_sample_and_is_not_returned() -> None:
+    frontend, socket = make_frontend(with_tokenizer=True)
+    text = "Return the list of all the elements"
+    ids = tokenizer()(text, add_special_tokens=False).input_ids
+    submit(frontend, socket, 1, "Return", max_new_tokens=40, stop=("of all",), ignore_eos=True)
+    run_sample_through(frontend, ids)
     (finished,) = socket.of_type(Finished)
     assert (finished.finish_reason, finished.stop_reason) == ("stop", "of all")
     assert finished.text == "Return the list "
-    texts = "".join(t for frame in socket.of_type(Tokens) for t in frame.texts or [])
+    texts = streamed_text(socket)
     assert texts == finished.text
-    assert scheduler.is_idle and scheduler.blocks.num_free_blocks == 64
+    assert frontend.scheduler.is_idle and frontend.scheduler.blocks.num_free_blocks == 64
 
 
 def test_min_tokens_holds_off_a_stop_string() -> None:
@@ -166,16 +176,11 @@ def test_min_tokens_holds_off_a_stop_string() -> None:
     ids = tokenizer()(text, add_special_tokens=False).input_ids
     submit(frontend, socket, 1, "Return", max_new_tokens=40, stop=("the",), min_tokens=2,
            ignore_eos=True)  # fmt: skip
-    scheduler = frontend.scheduler
-    step = 0
-    while scheduler.requests:
-        plan = scheduler.schedule()
-        frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step % len(ids)]})))
-        step += 1
+    run_sample_through(frontend, ids)
     (finished,) = socket.of_type(Finished)
     assert (finished.finish_reason, finished.stop_reason) == ("stop", "the")
     assert finished.text == "Return the list of all "
-    texts = "".join(t for frame in socket.of_type(Tokens) for t in frame.texts or [])
+    texts = streamed_text(socket)
     assert texts == finished.text
     assert streamed(socket) == ids[:6]
 
@@ -208,12 +213,7 @@ def test_the_token_that_ends_a_sample_adds_no_text(ends_as: str) -> None:
         frontend.model = dataclasses.replace(frontend.model, eos_token_ids=frozenset({ending}))
         params = {}
     submit(frontend, socket, 1, "Return", max_new_tokens=40, stop=("the list",), **params)
-    scheduler = frontend.scheduler
-    step = 0
-    while scheduler.requests:
-        plan = scheduler.schedule()
-        frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step % len(ids)]})))
-        step += 1
+    run_sample_through(frontend, ids)
     (finished,) = socket.of_type(Finished)
     stop_reason = ending if ends_as == "stop token" else None
     assert (finished.finish_reason, finished.stop_reason) == ("stop", stop_reason)
@@ -229,15 +229,10 @@ def test_text_held_back_for_stop_strings_is_streamed_at_a_length_limit() -> None
     ids = tokenizer()("Return the list of all", add_special_tokens=False).input_ids
     submit(frontend, socket, 1, "Return", max_new_tokens=4, stop=("never there",),
            ignore_eos=True)  # fmt: skip
-    scheduler = frontend.scheduler
-    step = 0
-    while scheduler.requests:
-        plan = scheduler.schedule()
-        frontend.publish(scheduler.update(plan, fake_output(plan, {0: ids[step]})))
-        step += 1
+    run_sample_through(frontend, ids)
     (finished,) = socket.of_type(Finished)
     assert (finished.finish_reason, finished.text) == ("length", "Return the list of")
-    texts = "".join(t for frame in socket.of_type(Tokens) for t in frame.texts or [])
+    texts = streamed_text(socket)
     assert texts == finished.text
 
 
