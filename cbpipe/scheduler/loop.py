@@ -120,7 +120,7 @@ class EngineLoop:
         steps_socket: zmq.Socket,
         results_socket: zmq.Socket,
         worker_monitor: zmq.Socket,
-        results_token: bytes = b"",
+        results_token: bytes,
         max_in_flight: int,
         pack_delay_s: float,
         heartbeats: HeartbeatTable,
@@ -134,7 +134,7 @@ class EngineLoop:
         self.client_socket = client_socket
         self.steps_socket = steps_socket
         self.results_socket = results_socket
-        self.results_token = results_token  # b"": frames carry none (tests' fake workers)
+        self.results_token = results_token  # the run's seal on every worker frame
         self.worker_monitor = worker_monitor
         if not 1 <= max_in_flight <= packer.layout.num_slots:
             raise ValueError(

@@ -50,8 +50,8 @@ async def create_completion(
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
         raise APIError(400, "best_of must equal n: every sample drawn is returned", param="best_of")
-    single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
-    choices = n * (1 if single else len(body.prompt))
+    items = _prompt_items(body.prompt)
+    choices = n * len(items)
     if choices > MAX_CHOICES:
         raise APIError(
             400,
@@ -61,7 +61,7 @@ async def create_completion(
         )
     # Off the event loop: a long prompt must not stall the other streams while it tokenizes.
     texts, prompts = await asyncio.to_thread(
-        _prompts, body.prompt, state.text, bool(body.add_special_tokens)
+        _prompts, items, state.text, bool(body.add_special_tokens)
     )
     logprobs = body.logprobs
     options = sampling_options(
@@ -78,10 +78,10 @@ async def create_completion(
     default = state.defaults.max_tokens or DEFAULT_MAX_TOKENS
     model_len = state.client.max_model_len
     limits = [
-        max_new_tokens(body.max_tokens, default, len(p), model_len, "max_tokens") for p in prompts
+        # Scored, the engine still takes a prompt to continue: one token, which is dropped.
+        1 if scoring else max_new_tokens(body.max_tokens, default, len(p), model_len, "max_tokens")
+        for p in prompts
     ]
-    if scoring:  # the engine takes a prompt to continue: one token, which is dropped
-        limits = [1] * len(prompts)
     try:
         generation = Generation(
             state.client, state.metrics, prompts, limits, options, keep_outputs=not scoring
@@ -94,17 +94,20 @@ async def create_completion(
     return await _complete(generation, format, request, state)
 
 
-def _prompts(
-    prompt: object, text: Text, add_special_tokens: bool = False
-) -> tuple[list[str | None], list[list[int]]]:
-    """Each prompt's text (None for token ids) and token ids."""
+def _prompt_items(prompt: object) -> list[Any]:
+    """The request's prompts: one string or token-id list, or a list of them."""
     if isinstance(prompt, str) or (
         isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
     ):
-        items: list[Any] = [prompt]
-    else:
-        assert isinstance(prompt, list)
-        items = prompt
+        return [prompt]
+    assert isinstance(prompt, list)
+    return prompt
+
+
+def _prompts(
+    items: list[Any], text: Text, add_special_tokens: bool = False
+) -> tuple[list[str | None], list[list[int]]]:
+    """Each prompt's text (None for token ids) and token ids."""
     if not items:
         raise APIError(400, "prompt is empty", param="prompt")
     texts: list[str | None] = []

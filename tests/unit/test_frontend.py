@@ -163,8 +163,7 @@ def test_a_stop_string_finishes_the_sample_and_is_not_returned() -> None:
     (finished,) = socket.of_type(Finished)
     assert (finished.finish_reason, finished.stop_reason) == ("stop", "of all")
     assert finished.text == "Return the list "
-    texts = streamed_text(socket)
-    assert texts == finished.text
+    assert streamed_text(socket) == finished.text
     assert frontend.scheduler.is_idle and frontend.scheduler.blocks.num_free_blocks == 64
 
 
@@ -180,8 +179,7 @@ def test_min_tokens_holds_off_a_stop_string() -> None:
     (finished,) = socket.of_type(Finished)
     assert (finished.finish_reason, finished.stop_reason) == ("stop", "the")
     assert finished.text == "Return the list of all "
-    texts = streamed_text(socket)
-    assert texts == finished.text
+    assert streamed_text(socket) == finished.text
     assert streamed(socket) == ids[:6]
 
 
@@ -232,8 +230,7 @@ def test_text_held_back_for_stop_strings_is_streamed_at_a_length_limit() -> None
     run_sample_through(frontend, ids)
     (finished,) = socket.of_type(Finished)
     assert (finished.finish_reason, finished.text) == ("length", "Return the list of")
-    texts = streamed_text(socket)
-    assert texts == finished.text
+    assert streamed_text(socket) == finished.text
 
 
 def test_prompt_logprobs_are_sent_once_before_the_first_token() -> None:
