@@ -82,6 +82,8 @@ class SamplingOptions(TypedDict, total=False):
     prompt_logprobs: int | None
     n: int
     detokenize: bool
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
     cache_salt: str | None
 
 

@@ -76,6 +76,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     n: int = 1  # independent samples of the prompt
     detokenize: bool = True  # stream text beside the token ids (needs the model's tokenizer)
+    skip_special_tokens: bool = True  # leave the tokenizer's special tokens out of the text
+    # Keep the stop string that ended a sample in its text, and the text of the stop or EOS
+    # token that ended it (vLLM's; by default both are left out).
+    include_stop_str_in_output: bool = False
     # Requests share cached prompt blocks only with requests of the same salt: a client that
     # passes its own keeps its prompts' cache to itself.
     cache_salt: str | None = None
@@ -125,6 +129,8 @@ class SamplingParams:
                 _check_int(name, value, low=0, high=MAX_TOP_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_SAMPLES)
         _check_bool("detokenize", self.detokenize)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
         ):

@@ -236,7 +236,12 @@ class Frontend:
             self._job_of[req.request_id] = job
             if self.detokenizer is not None and req.params.detokenize:
                 params = req.params
-                job.texts[req.request_id] = self.detokenizer.sample(params.stop, params.min_tokens)
+                job.texts[req.request_id] = self.detokenizer.sample(
+                    params.stop,
+                    params.min_tokens,
+                    skip_special_tokens=params.skip_special_tokens,
+                    include_stop=params.include_stop_str_in_output,
+                )
             req.arrival_ns = arrival_ns
             self.num_prompt_tokens += req.num_prompt_tokens
             self.scheduler.add_request(req)

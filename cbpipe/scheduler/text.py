@@ -14,7 +14,10 @@ ever retracted; the matched stop string and everything after it is never returne
 stop strings are looked for only once a sample has more than ``min_tokens`` tokens, in the
 text that each token adds (a match may begin up to its length minus one character earlier);
 and the EOS or stop token that ends a sample is not decoded: its text is never returned, and
-no stop string is matched in it.
+no stop string is matched in it. ``include_stop_str_in_output`` keeps both, vLLM's way: the
+stop string stays at the text's end (what followed it in the same token is still cut), the
+ending token is decoded, and nothing is held back, since nothing streamed can be cut.
+Special tokens are left out of the text unless ``skip_special_tokens`` is false.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ _FLUSH_CONTEXT = 4
 
 
 class _FastStream:
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._recent: list[int] = []  # the last tokens that added text
         self._held: list[int] = []  # tokens since, which added none yet
 
@@ -60,8 +64,8 @@ class _FastStream:
         if not self._held:
             return ""
         decode = self._backend.decode
-        before = decode(self._recent, skip_special_tokens=True)
-        after = decode(self._recent + self._held, skip_special_tokens=True)
+        before = decode(self._recent, skip_special_tokens=self._skip)
+        after = decode(self._recent + self._held, skip_special_tokens=self._skip)
         return after[len(before) :] if after.startswith(before) else ""
 
 
@@ -69,8 +73,9 @@ class _WindowStream:
     """For tokenizers without a Rust backend: decode the tokens since the last complete
     character together with those before it, keep what the new ones added."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # the window's first token: context for how the next ones read
         self._read = 0  # tokens up to here are in the text already
@@ -89,8 +94,8 @@ class _WindowStream:
 
     def _window(self) -> tuple[str, str]:
         decode = self._tokenizer.decode
-        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        return before, decode(self._ids[self._prefix :], skip_special_tokens=True)
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        return before, decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
 
 
 @dataclass
@@ -100,6 +105,7 @@ class SampleText:
     stream: _TokenStream
     stop: tuple[str, ...]
     min_tokens: int = 0  # stop strings match only once the sample has more tokens than this
+    include_stop: bool = False  # include_stop_str_in_output
     text: str = ""
     released: int = 0  # characters of ``text`` streamed
     num_tokens: int = 0  # tokens added
@@ -108,17 +114,18 @@ class SampleText:
     _hold: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        longest = max((len(s) for s in self.stop), default=1)
+        self._hold = 0 if self.include_stop else longest - 1
 
     def add(self, token_id: int, *, stop_terminated: bool = False) -> str:
         """Append a token; return the text now safe to stream. A stop string match cuts the
         text where it starts and sets ``stopped_by``; nothing is added after that. The token
         that ended the sample (``stop_terminated``: EOS or one of its stop tokens) adds no
-        text, as vLLM's detokenizer has it (without ``include_stop_str_in_output``)."""
+        text, as vLLM's detokenizer has it, unless ``include_stop``."""
         if self.stopped_by is not None or self.over:
             return ""
         self.num_tokens += 1
-        if stop_terminated:
+        if stop_terminated and not self.include_stop:
             return ""
         piece = self.stream.step(token_id)
         if not piece:
@@ -130,7 +137,7 @@ class SampleText:
             match = _earliest_match(self.text, self.stop, searched)
             if match is not None:
                 at, self.stopped_by = match
-                self.text = self.text[:at]
+                self.text = self.text[: at + len(self.stopped_by) if self.include_stop else at]
                 return self.release(len(self.text))
         return self.release(len(self.text) - self._hold)
 
@@ -162,10 +169,17 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
-    def sample(self, stop: tuple[str, ...], min_tokens: int = 0) -> SampleText:
+    def sample(
+        self,
+        stop: tuple[str, ...],
+        min_tokens: int = 0,
+        *,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> SampleText:
         stream: _TokenStream
         if self._backend is not None:
-            stream = _FastStream(self._backend)
+            stream = _FastStream(self._backend, skip_special_tokens)
         else:
-            stream = _WindowStream(self.tokenizer)
-        return SampleText(stream, stop, min_tokens)
+            stream = _WindowStream(self.tokenizer, skip_special_tokens)
+        return SampleText(stream, stop, min_tokens, include_stop)

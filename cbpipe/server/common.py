@@ -147,6 +147,8 @@ def sampling_options(
         "stop",
         "stop_token_ids",
         "cache_salt",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
     ):
         value = getattr(request, name)
         if value is None:

@@ -107,8 +107,8 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: Literal[True] | None = None  # the engine always skips them
-    include_stop_str_in_output: Literal[False] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None  # token ids beside the text (and without a tokenizer)
     cache_salt: str | None = None  # shares cached prompt blocks only with the same salt
     # Accepted and ignored: IGNORED_FIELDS.

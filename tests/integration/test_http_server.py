@@ -328,6 +328,42 @@ def test_stop_strings_end_the_text_before_them(api: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed) == cut
 
 
+def test_stop_strings_and_special_tokens_kept_in_the_text_on_request(
+    api: openai.OpenAI, hf: Any
+) -> None:
+    """vLLM's ``include_stop_str_in_output`` keeps the stop string (and the stop token's
+    text), ``skip_special_tokens: false`` the special tokens' text."""
+    base = api.completions.create(
+        model=MODEL, prompt="Return the", max_tokens=40, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+    stop = " " + base.split()[2]
+    kept = base[: base.index(stop) + len(stop)]
+    for stream in (False, True):
+        reply = api.completions.create(
+            model=MODEL, prompt="Return the", max_tokens=40, temperature=0, stop=[stop],
+            stream=stream, extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+        )  # fmt: skip
+        chunks = list(reply) if stream else [reply]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == kept
+    # The end-of-sequence token, forced by a bias: its text only when specials are kept,
+    # and when it ends the sample only with the stop text included.
+    eos = hf[1].eos_token_id
+    eos_text = hf[1].decode([eos], skip_special_tokens=False)
+    forced = {"logit_bias": {str(eos): 100}}
+    for extra, text in (
+        ({"ignore_eos": True}, ""),
+        ({"ignore_eos": True, "skip_special_tokens": False}, eos_text * 3),
+        ({"skip_special_tokens": False}, ""),
+        ({"skip_special_tokens": False, "include_stop_str_in_output": True}, eos_text),
+    ):
+        choice = api.completions.create(
+            model=MODEL, prompt="Return the", max_tokens=3, temperature=0,
+            extra_body=forced | extra,
+        ).choices[0]  # fmt: skip
+        assert choice.text == text, extra
+
+
 def test_logprobs_are_the_models(api: openai.OpenAI, hf: Any) -> None:
     prompt_ids = encode(hf, "The list of")
     reply = api.chat.completions.create(

@@ -141,3 +141,51 @@ def test_the_token_that_ends_a_sample_adds_no_text(slow: bool) -> None:
     assert sample.add(ids[cut], stop_terminated=True) == ""
     released += sample.release() + sample.release()
     assert released == sample.text == tokenizer().decode(ids[:cut])
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "window"])
+def test_special_tokens_are_text_when_not_skipped(slow: bool) -> None:
+    detokenizer = Detokenizer(SlowTokenizer(tokenizer()) if slow else tokenizer())
+    ids = [0, *token_ids("ok 🎉"), 1, *token_ids(" more")]  # <|bos|> ... <|eos|> ...
+    skipped = "".join(stream_all(detokenizer.sample(()), ids))
+    kept = "".join(stream_all(detokenizer.sample((), skip_special_tokens=False), ids))
+    assert skipped == "ok 🎉 more"
+    assert kept == tokenizer().decode(ids, skip_special_tokens=False) == "<|bos|>ok 🎉<|eos|> more"
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "window"])
+@pytest.mark.parametrize("stop", ["wörld", "d 日", "本語 🎉", ".\nN", "ok"])
+def test_an_included_stop_string_ends_the_text(slow: bool, stop: str) -> None:
+    """vLLM's ``include_stop_str_in_output``: the text runs to the stop string's end (what
+    the same token added after it is cut), and nothing is held back while streaming."""
+    detokenizer = Detokenizer(SlowTokenizer(tokenizer()) if slow else tokenizer())
+    sample = detokenizer.sample(("never there", stop), include_stop=True)
+    decoded, streamed = "", ""
+    for token in token_ids(TEXT):
+        piece = sample.add(token)
+        decoded = tokenizer().decode(token_ids(TEXT)[: sample.num_tokens])
+        streamed += piece
+        if sample.stopped_by is None:
+            # All of it but a character still incomplete: no stop string can cut it now.
+            assert streamed == decoded.rstrip("\ufffd")
+        else:
+            break
+    streamed += sample.release()
+    end = TEXT.index(stop) + len(stop)
+    assert (sample.stopped_by, sample.text, streamed) == (stop, TEXT[:end], TEXT[:end])
+
+
+def test_an_included_ending_token_adds_its_text() -> None:
+    """With ``include_stop_str_in_output`` the stop or EOS token that ends a sample is
+    decoded, as vLLM does; the EOS token reads as text only without skipping specials."""
+    detokenizer = Detokenizer(tokenizer())
+    ids = token_ids("Return the list")
+    for skip, eos_text in ((True, ""), (False, "<|eos|>")):
+        sample = detokenizer.sample((), skip_special_tokens=skip, include_stop=True)
+        released = "".join(sample.add(t) for t in ids[:-1])
+        released += sample.add(ids[-1], stop_terminated=True) + sample.release()
+        assert released == "Return the list"
+        sample = detokenizer.sample((), skip_special_tokens=skip, include_stop=True)
+        released = "".join(sample.add(t) for t in ids)
+        released += sample.add(1, stop_terminated=True) + sample.release()
+        assert released == "Return the list" + eos_text
