@@ -54,7 +54,12 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
     message and the worker is told to stop; the exit code says whether it was a failure."""
     setup_logging(spec.config.log_level, "scheduler")
     context = zmq.Context()
-    sockets = _bind(context, spec)
+    try:
+        sockets = EngineSockets.bind(context, spec)
+    except BindError as exc:  # the launcher says so
+        ready.send(("failed", str(exc)))
+        context.term()
+        raise SystemExit(1) from None
     segment = AttachedSegment(spec.segment_name, spec.layout.segment_nbytes)
     loop: EngineLoop | None = None
     exit_code = 0
@@ -83,62 +88,96 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
             log.info("wrote %d steps to %s", len(loop.records), spec.config.scheduler.trace)
         if loop is not None and loop.frontend.prompts is not None:
             loop.frontend.prompts.close()
-        _close(sockets)
+        sockets.close()
         segment.close()
         context.term()
     raise SystemExit(exit_code)
 
 
-def _bind(context: zmq.Context, spec: RunSpec) -> dict[str, zmq.Socket]:
-    max_model_len = spec.config.model.max_model_len
-    assert max_model_len is not None  # the launcher resolves it
-    clients = context.socket(zmq.ROUTER)
-    clients.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
-    clients.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
-    # Larger frames cost their sender the connection, before they are read into memory.
-    clients.setsockopt(zmq.MAXMSGSIZE, frame_limit(max_model_len))
-    # Sends to a client that is gone fail (rather than vanish): its jobs are then cancelled.
-    clients.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    clients.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    if spec.config.api_key is not None and uses_curve(spec.addresses.client, spec.config.api_key):
-        _require_curve(context, clients, CurveKeys.from_api_key(spec.config.api_key))
-    clients.bind(spec.addresses.client)
-    # Every step goes to every worker rank, so a publisher: XPUB rather than PUB, because it
-    # hands us each rank's subscription, and the handshake waits for all of them (a PUB
-    # drops what it sends before a subscription arrives: ZeroMQ's slow joiner).
-    steps = context.socket(zmq.XPUB)
-    steps.setsockopt(zmq.XPUB_VERBOSE, 1)  # every rank's subscription, not only the first
-    steps.bind(spec.addresses.worker_steps)
-    results = context.socket(zmq.PULL)
-    results.setsockopt(zmq.MAXMSGSIZE, WORKER_MAXMSGSIZE)
-    results.bind(spec.addresses.worker_results)
-    monitor = results.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-    return {"clients": clients, "steps": steps, "results": results, "monitor": monitor}
+class BindError(Exception):
+    """An address the scheduler cannot listen on (taken by another process, say)."""
 
 
-def _close(sockets: dict[str, zmq.Socket]) -> None:
-    """Close the sockets, the results socket's monitor first and detached before it closes.
+@dataclasses.dataclass
+class EngineSockets:
+    """The scheduler's sockets: clients (ROUTER), the steps to every worker rank (XPUB), the
+    ranks' results (PULL) and that socket's connection monitor; with an api key on a tcp
+    address, the thread of ZeroMQ's that answers the clients' CURVE handshakes."""
 
-    A worker's connection that ends once the monitor's reader is gone would block ZeroMQ's
-    I/O thread in handing over that event, and ``context.term()`` with it (libzmq#2083,
-    libzmq#3575: the order libzmq asks for, though no hang here has been traced to it).
-    """
-    sockets["results"].disable_monitor()
-    sockets["monitor"].close(linger=0)
-    for name, socket in sockets.items():
-        if name != "monitor":
+    clients: zmq.Socket
+    steps: zmq.Socket
+    results: zmq.Socket
+    monitor: zmq.Socket
+    authenticator: ThreadAuthenticator | None = None
+
+    @classmethod
+    def bind(cls, context: zmq.Context, spec: RunSpec) -> EngineSockets:
+        max_model_len = spec.config.model.max_model_len
+        assert max_model_len is not None  # the launcher resolves it
+        clients = context.socket(zmq.ROUTER)
+        clients.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+        clients.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
+        # Larger frames cost their sender the connection, before they are read into memory.
+        clients.setsockopt(zmq.MAXMSGSIZE, frame_limit(max_model_len))
+        # Sends to a client that is gone fail (rather than vanish): its jobs are then cancelled.
+        clients.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        clients.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        authenticator = None
+        api_key = spec.config.api_key
+        if api_key is not None and uses_curve(spec.addresses.client, api_key):
+            authenticator = _require_curve(context, clients, CurveKeys.from_api_key(api_key))
+        try:
+            clients.bind(spec.addresses.client)
+        except zmq.ZMQError as exc:
+            if authenticator is not None:
+                authenticator.stop()
+            clients.close(linger=0)
+            raise BindError(
+                f"cannot listen for clients on {spec.addresses.client}: {zmq.strerror(exc.errno)} "
+                "(another cbpipe-launch or program may hold it: choose another --address)"
+            ) from None
+        # Every step goes to every worker rank, so a publisher: XPUB rather than PUB, because
+        # it hands us each rank's subscription, and the handshake waits for all of them (a PUB
+        # drops what it sends before a subscription arrives: ZeroMQ's slow joiner).
+        steps = context.socket(zmq.XPUB)
+        steps.setsockopt(zmq.XPUB_VERBOSE, 1)  # every rank's subscription, not only the first
+        steps.bind(spec.addresses.worker_steps)
+        results = context.socket(zmq.PULL)
+        results.setsockopt(zmq.MAXMSGSIZE, WORKER_MAXMSGSIZE)
+        results.bind(spec.addresses.worker_results)
+        monitor = results.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        return cls(clients, steps, results, monitor, authenticator)
+
+    def close(self) -> None:
+        """Close the sockets, the results socket's monitor first and detached before it
+        closes, then stop the authenticator, whose own socket would otherwise keep
+        ``context.term()`` waiting.
+
+        A worker's connection that ends once the monitor's reader is gone would block
+        ZeroMQ's I/O thread in handing over that event, and ``context.term()`` with it
+        (libzmq#2083, libzmq#3575: the order libzmq asks for, though no hang here has been
+        traced to it).
+        """
+        self.results.disable_monitor()
+        self.monitor.close(linger=0)
+        for socket in (self.clients, self.steps, self.results):
             socket.close(linger=500)  # lets final replies (errors, finishes) go out
+        if self.authenticator is not None:
+            self.authenticator.stop()
 
 
-def _require_curve(context: zmq.Context, socket: zmq.Socket, keys: CurveKeys) -> None:
+def _require_curve(
+    context: zmq.Context, socket: zmq.Socket, keys: CurveKeys
+) -> ThreadAuthenticator:
     """Encrypt the socket's traffic, and accept only clients whose key comes from the same
-    api key. The authenticator is a thread of ZeroMQ's that answers handshakes: it lives
-    as long as the process."""
+    api key. The authenticator is a thread of ZeroMQ's that answers handshakes: it runs
+    until the sockets close."""
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
     authenticator.configure_curve_callback("*", _AllowKey(keys.client_public))
     keys.make_server(socket)
+    return authenticator
 
 
 class _AllowKey:
@@ -152,12 +191,12 @@ class _AllowKey:
         return allowed
 
 
-def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegment) -> EngineLoop:
+def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> EngineLoop:
     config = spec.config
     hello = _wait_for_workers(
-        sockets["results"],
+        sockets.results,
         spec.results_token,
-        sockets["steps"],
+        sockets.steps,
         len(spec.worker_names),
         config.ready_timeout_s,
     )
@@ -185,7 +224,7 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
     )
     packer = BatchPacker(segment.buf, spec.layout, config.cache.block_size)
     frontend = Frontend(
-        sockets["clients"],
+        sockets.clients,
         scheduler,
         model,
         tokenizer,
@@ -204,11 +243,11 @@ def _start(spec: RunSpec, sockets: dict[str, zmq.Socket], segment: AttachedSegme
         scheduler=scheduler,
         packer=packer,
         frontend=frontend,
-        client_socket=sockets["clients"],
-        steps_socket=sockets["steps"],
-        results_socket=sockets["results"],
+        client_socket=sockets.clients,
+        steps_socket=sockets.steps,
+        results_socket=sockets.results,
         results_token=spec.results_token,
-        worker_monitor=sockets["monitor"],
+        worker_monitor=sockets.monitor,
         max_in_flight=config.scheduler.max_in_flight,
         pack_delay_s=config.scheduler.debug_scheduler_delay_ms / 1e3,
         heartbeats=spec.heartbeats(segment.buf),

@@ -224,7 +224,18 @@ def test_listening_beyond_this_host_needs_allow_remote_and_a_key() -> None:
     )
     assert no_key.returncode == 2 and "--api-key" in no_key.stderr
     flags = (*MODEL_FLAGS, "--address", f"tcp://0.0.0.0:{port}", "--allow-remote")
-    with launch_engine(*flags, "--api-key", "k3y", timeout=180):
+    with launch_engine(*flags, "--api-key", "k3y", timeout=180) as run:
+        # A second engine on the taken address says so in a line, and harms the first.
+        taken = subprocess.run(
+            [*launch, *flags[len(MODEL_FLAGS) :], "--api-key", "k3y"],
+            capture_output=True,
+            text=True,
+        )
+        assert taken.returncode != 0
+        assert f"cannot listen for clients on tcp://0.0.0.0:{port}: Address already in use" in (
+            taken.stderr
+        )
+        assert "Traceback" not in taken.stderr, taken.stderr
         address = f"tcp://127.0.0.1:{port}"
         with Client(address, api_key="k3y") as client:
             job = client.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
@@ -235,3 +246,6 @@ def test_listening_beyond_this_host_needs_allow_remote_and_a_key() -> None:
         with Client(address, api_key="k3y") as client:  # the refused clients harmed nothing
             job = client.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
             assert len(job.result(timeout=RESULT_TIMEOUT_S).token_ids) == 4
+    # The handshakes' authenticator stopped with the sockets: context.term() did not find its
+    # socket open (which held the stop until the launcher killed the scheduler).
+    assert "ContextTerminated" not in run.stderr, run.stderr
