@@ -313,6 +313,12 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
         self._check_address()
+        if self.server.chat_template is not None:
+            # Here, not in the HTTP servers: a bad template would otherwise start the engine
+            # and fail every chat request with a 400 that blames the client's messages.
+            from cbpipe.server.text import check_chat_template, read_chat_template
+
+            check_chat_template(read_chat_template(self.server.chat_template))
 
     def _check_address(self) -> None:
         from cbpipe.protocol.security import is_local_address

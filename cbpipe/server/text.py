@@ -36,9 +36,7 @@ class Text:
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         if chat_template is not None:
-            if _is_file(chat_template):
-                chat_template = Path(chat_template).read_text()
-            tokenizer.chat_template = chat_template
+            tokenizer.chat_template = read_chat_template(chat_template)
         return cls(tokenizer, model_name)
 
     @property
@@ -108,9 +106,37 @@ class Text:
         return str(self.tokenizer.decode([token_id]))
 
 
-def _is_file(name: str) -> bool:
-    """Whether ``name`` names a file; a template's own text may be too long a name to ask."""
+# A chat template has at least one of these; a file's name, vLLM reasons, has none.
+TEMPLATE_CHARS = "{}\n"
+
+
+def read_chat_template(value: str) -> str:
+    """The chat template that ``--chat-template value`` gives, read as vLLM reads it: the
+    text of the file ``value`` names, else ``value`` itself if it could be a template (it
+    holds a ``{``, ``}`` or newline). Raises ``ValueError`` naming the file otherwise."""
     try:
-        return Path(name).is_file()
-    except OSError:  # ENAMETOOLONG
-        return False
+        return Path(value).read_text()
+    except OSError as exc:  # no such file, a folder, a name too long (a template's own text)
+        if any(char in value for char in TEMPLATE_CHARS):
+            return value
+        raise ValueError(
+            f"--chat-template {value}: cannot read {Path(value).absolute()} "
+            f"({exc.strerror or exc}), and the value is no template itself (it has no "
+            "'{', '}' or newline)"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--chat-template {value}: not UTF-8 text ({exc.reason})") from None
+
+
+def check_chat_template(template: str) -> None:
+    """Raises ``ValueError`` unless ``template`` compiles as transformers compiles it for
+    ``apply_chat_template`` (a sandboxed Jinja environment with its extensions)."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as exc:
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        raise ValueError(f"--chat-template does not compile: {exc.message}{where}") from None

@@ -159,3 +159,34 @@ def test_http_server_processes_follow_the_host_unless_given(
     monkeypatch.setattr(config.os, "cpu_count", lambda: cores)
     assert config.ServerConfig().num_processes == processes
     assert config.ServerConfig(api_server_count=3).num_processes == 3
+
+
+def test_a_chat_template_that_names_no_file_or_does_not_compile_is_refused(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As vLLM reads --chat-template: a file's text, else the value itself if it could be a
+    template; and a template that does not compile is refused before the engine starts."""
+    from cbpipe.server.text import read_chat_template
+
+    monkeypatch.chdir(tmp_path)
+
+    def checked(template: str) -> None:
+        config.EngineConfig(server=config.ServerConfig(port=0, chat_template=template)).validate()
+
+    with pytest.raises(ValueError, match=f"cannot read {tmp_path / 'my_template.jinja'}"):
+        checked("my_template.jinja")
+    (tmp_path / "my_template.jinja").write_text("{{ messages[0]['content'] }}")
+    checked("my_template.jinja")
+    assert read_chat_template("my_template.jinja") == "{{ messages[0]['content'] }}"
+    literal = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    checked(literal)
+    assert read_chat_template(literal) == literal
+    assert read_chat_template("line one\nline two") == "line one\nline two"
+    for broken in ("{% for x %}", "{{ messages[0] "):
+        with pytest.raises(ValueError, match="--chat-template does not compile"):
+            checked(broken)
+    (tmp_path / "broken.jinja").write_text("{% if add_generation_prompt %}\n<|assistant|>")
+    with pytest.raises(ValueError, match=r"does not compile: .*endif.* \(line 2\)"):
+        checked("broken.jinja")
+    # transformers' own extension: the tag that marks the assistant's tokens compiles.
+    checked("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}")
