@@ -56,6 +56,10 @@ log = logging.getLogger("cbpipe.launcher")
 PARENT_DIED = signal.SIGUSR1
 
 STOP_TIMEOUT_S = 10.0
+# The children's own start-up waits (the scheduler's for the workers) get this much longer
+# than --ready-timeout-s: the launcher enforces the limit, with one message, and stops them
+# before theirs run out.
+READY_TIMEOUT_GRACE_S = 5.0
 PEER_STOP_GRACE_S = 3.0  # for a child to act on the shutdown message of the one that stops it
 
 ChildTarget = Callable[..., None]  # (spec, ready connection, *args) -> None
@@ -243,7 +247,9 @@ class Launcher:
         heartbeats: HeartbeatTable | None = None
         try:
             spec = RunSpec(
-                self.config,
+                dataclasses.replace(
+                    self.config, ready_timeout_s=self.config.ready_timeout_s + READY_TIMEOUT_GRACE_S
+                ),
                 EngineAddresses.in_directory(run_dir, self.config.address),
                 segment.name,
                 layout.limits,
@@ -295,7 +301,8 @@ class Launcher:
         pending = list(specs)
         waiting: dict[str, mp.connection.Connection] = {}
         ready: dict[str, str] = {}
-        deadline = time.monotonic() + spec.config.ready_timeout_s
+        limit_s = self.config.ready_timeout_s
+        deadline = time.monotonic() + limit_s
         while (pending or waiting) and not self.stop_requested:
             for child in [c for c in pending if all(a in ready for a in c.after)]:
                 receiver, sender = context.Pipe(duplex=False)
@@ -307,15 +314,17 @@ class Launcher:
                 children[child.name], waiting[child.name] = process, receiver
                 pending.remove(child)
             if time.monotonic() > deadline:
+                late = ", ".join([*waiting, *(c.name for c in pending)])
                 raise LaunchError(
-                    f"{', '.join([*waiting, *(c.name for c in pending)])} not ready within "
-                    f"{spec.config.ready_timeout_s:.0f} s"
+                    f"start-up timed out: {late} not ready within {limit_s:g} s "
+                    f"(--ready-timeout-s {limit_s:g})"
                 )
-            for conn in mp.connection.wait(list(waiting.values()), timeout=0.2):
+            left_s = max(0.0, deadline - time.monotonic())
+            for conn in mp.connection.wait(list(waiting.values()), timeout=min(0.2, left_s)):
                 name = next(n for n, c in waiting.items() if c is conn)
                 status, detail = _read_status(conn)
                 if status != "ready":
-                    raise LaunchError(f"the {name} failed to start:\n{detail}")
+                    raise LaunchError(f"the {name} failed to start: {_failure(detail)}")
                 log.info("%s ready: %s", name, detail)
                 ready[name] = detail
                 del waiting[name]
@@ -446,6 +455,15 @@ def _on_launcher_death(spec: RunSpec, signum: int, frame: FrameType | None) -> N
     shutil.rmtree(spec.run_dir, ignore_errors=True)
     faulthandler.dump_traceback_later(STOP_TIMEOUT_S, exit=True)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _failure(detail: str) -> str:
+    """What a child reported with its failure to start: its own reason whole, or of a
+    traceback, which the child has logged already, the last line (the exception)."""
+    lines = detail.strip().splitlines()
+    if lines and lines[0].startswith("Traceback (most recent call last)"):
+        return f"{lines[-1]} (its traceback above)"
+    return detail
 
 
 def _read_status(conn: mp.connection.Connection) -> tuple[str, str]:

@@ -79,3 +79,25 @@ def test_the_model_may_come_first_as_vllm_serve_takes_it() -> None:
     assert model_of("acme/tiny", "--model", "acme/tiny") == "acme/tiny"
     with pytest.raises(SystemExit):
         model_of("acme/tiny", "--model", "acme/other")
+
+
+def test_a_start_up_past_its_limit_says_so_once_with_the_limit_and_the_flag() -> None:
+    """The launcher's limit runs out before the children's own waits: one line, no child's
+    traceback, and the limit as given (0.05, not "0")."""
+    run = subprocess.run(
+        [sys.executable, "-m", "cbpipe.launcher", "--ready-timeout-s", "0.05"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stderr
+    last_line = run.stderr.strip().splitlines()[-1]
+    assert last_line.endswith("not ready within 0.05 s (--ready-timeout-s 0.05)"), run.stderr
+    assert "start-up timed out" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_a_child_traceback_is_cut_to_its_exception_as_the_child_logged_it_whole() -> None:
+    traceback = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad\n'
+    assert launcher._failure(traceback) == "ValueError: bad (its traceback above)"
+    reason = "model acme/tiny is not supported:\nits layers compute attention themselves"
+    assert launcher._failure(reason) == reason
