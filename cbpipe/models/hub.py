@@ -87,8 +87,9 @@ def _download(repo_id: str, revision: str | None) -> Path:
             f"model {repo_id!r} is not in the Hugging Face cache ({HF_HUB_CACHE}) and "
             "HF_HUB_OFFLINE is set: download it first, or unset HF_HUB_OFFLINE"
         )
-    # A download takes minutes: say so, whatever the log level, and show its bars where
-    # someone watches.
+    _look_up(repo_id, revision)
+    # A download takes minutes: say so, whatever the log level (once the Hub has the model:
+    # a typo is not downloaded), and show its bars where someone watches.
     at = f" at {revision}" if revision else ""
     print(f"cbpipe-launch: downloading {repo_id}{at} into {HF_HUB_CACHE}", file=sys.stderr)
     were_disabled = are_progress_bars_disabled()
@@ -105,11 +106,32 @@ def _download(repo_id: str, revision: str | None) -> Path:
             f"model {repo_id!r} is not in the Hugging Face cache ({HF_HUB_CACHE}) and the "
             "Hub could not be reached"
         ) from None
-    except HfHubHTTPError as exc:  # no such repository or revision, a gated one, an outage
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        hint = "" if os.environ.get("HF_TOKEN") else " (a gated model needs HF_TOKEN)"
-        raise HubError(f"model {repo_id!r} could not be downloaded: {first_line}{hint}") from None
+    except HfHubHTTPError as exc:  # a gated one, an outage
+        raise _not_downloadable(repo_id, exc) from None
     finally:
         (disable_progress_bars if were_disabled else enable_progress_bars)()
     log.info("downloaded %s to %s", repo_id, folder)
     return Path(folder)
+
+
+def _look_up(repo_id: str, revision: str | None) -> None:
+    """Raises ``HubError`` unless the Hub confirms that ``repo_id`` has ``revision``."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi().repo_info(repo_id, revision=revision)
+    except HfHubHTTPError as exc:  # no such repository or revision, a private one, an outage
+        raise _not_downloadable(repo_id, exc) from None
+    except Exception as exc:  # the HTTP library's own: no network, no name service, a timeout
+        raise HubError(
+            f"model {repo_id!r} is not in the Hugging Face cache ({HF_HUB_CACHE}) and the "
+            f"Hub could not be reached ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _not_downloadable(repo_id: str, exc: Exception) -> HubError:
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    hint = "" if os.environ.get("HF_TOKEN") else " (a gated model needs HF_TOKEN)"
+    return HubError(f"model {repo_id!r} could not be downloaded: {first_line}{hint}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import huggingface_hub
@@ -26,7 +27,16 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     real_download = huggingface_hub.snapshot_download
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", _no_lookup)
     return tmp_path
+
+
+def _no_lookup(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("the test reached for the Hub")
+
+
+def _found(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 @pytest.mark.parametrize(
@@ -80,11 +90,39 @@ def test_an_uncached_model_is_fetched_once_with_only_what_serving_needs(
         return str(cache_model(cache, repo_id, sorted(EMBEDDED_MODEL_DIR.iterdir())))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", _found)
     fetch_model("acme/tiny")
     (kwargs,) = asked
     patterns = kwargs["allow_patterns"]
     assert {"*.safetensors", "*.json"} <= set(patterns) and "*.bin" not in patterns
     assert "original/*" in kwargs["ignore_patterns"]
+
+
+def test_a_model_the_hub_does_not_have_is_not_said_to_download(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo is looked up, not announced as a download; a model the Hub has is."""
+
+    def missing(self: Any, repo_id: str, **kwargs: Any) -> None:
+        response = SimpleNamespace(headers={}, request=None)
+        raise huggingface_hub.errors.RepositoryNotFoundError(
+            f"404 Client Error. Repository Not Found for url: .../{repo_id}", response=response
+        )
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", missing)
+    with pytest.raises(hub.HubError, match="'defualt' could not be downloaded: 404"):
+        fetch_model("defualt")
+    assert "downloading" not in capsys.readouterr().err
+
+    def download(repo_id: str, **kwargs: Any) -> str:
+        if kwargs.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        return str(cache_model(cache, repo_id, sorted(EMBEDDED_MODEL_DIR.iterdir())))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", _found)
+    fetch_model("acme/tiny")
+    assert "cbpipe-launch: downloading acme/tiny into" in capsys.readouterr().err
 
 
 def test_offline_and_uncached_says_so(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
