@@ -337,7 +337,7 @@ class EngineConfig:
             raise ValueError(
                 f"{' and '.join(listening)} listens beyond this host, where anyone who can "
                 "reach it could use the engine: pass --allow-remote and --api-key to serve "
-                "other machines (README: serving other machines)"
+                'other machines (docs/RELIABILITY.md, "Serving other machines")'
             )
         if not self.api_key:
             raise ValueError("--allow-remote needs --api-key (or CBPIPE_API_KEY)")

@@ -118,6 +118,8 @@ class LaunchError(RuntimeError):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="cbpipe-launch",
+        # Not argparse's generated usage: every flag, some 40 lines above each error.
+        usage="%(prog)s [MODEL] [options]",
         description="Serve a Hugging Face causal LM with asynchronous continuous batching.",
     )
     config_module.add_arguments(parser)

@@ -101,3 +101,22 @@ def test_a_child_traceback_is_cut_to_its_exception_as_the_child_logged_it_whole(
     assert launcher._failure(traceback) == "ValueError: bad (its traceback above)"
     reason = "model acme/tiny is not supported:\nits layers compute attention themselves"
     assert launcher._failure(reason) == reason
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--host", "0.0.0.0", "--port", "0"], 'docs/RELIABILITY.md, "Serving other machines"'),
+        (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    ],
+)
+def test_a_bad_command_line_gets_the_short_usage_and_its_error(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CBPIPE_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        launcher.main(argv)
+    assert exited.value.code == 2
+    usage, message = capsys.readouterr().err.splitlines()
+    assert usage == "usage: cbpipe-launch [MODEL] [options]"
+    assert message.startswith("cbpipe-launch: error: ") and error in message
