@@ -262,6 +262,25 @@ REFUSED = [
         common=False,
         note="BART's decoder alone: learned positions of the packed index",
     ),
+    Arch(
+        "reformer",
+        dict(
+            is_decoder=True,
+            attn_layers=["local", "lsh"],
+            axial_pos_shape=[16, 16],
+            axial_pos_embds_dim=[32, 32],
+            hidden_size=64,
+            num_attention_heads=4,
+            attention_head_size=16,
+            feed_forward_size=128,
+            local_attn_chunk_length=8,
+            lsh_attn_chunk_length=8,
+            num_buckets=4,
+            vocab_size=256,
+        ),
+        common=False,
+        note="its forward pads to chunks of its own: fails on a packed input",
+    ),
 ]
 
 

@@ -38,9 +38,15 @@ CPU = torch.device("cpu")
 
 @cache
 def paged_model(
-    name: str, device: torch.device = CPU, dtype: torch.dtype = torch.float32, fuse: bool = True
+    name: str,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+    fuse: bool = True,
+    max_model_len: int | None = None,
 ) -> tuple[torch.nn.Module, attention.ModelAttention]:
-    return load_paged_model(resolve_model(name), device, dtype, fuse=fuse)
+    return load_paged_model(
+        resolve_model(name), device, dtype, fuse=fuse, max_model_len=max_model_len
+    )
 
 
 @cache
@@ -126,7 +132,9 @@ class InProcessEngine:
 
     def __post_init__(self) -> None:
         use_blas_library(self.blas_library, self.device)
-        model, paged = paged_model(self.model_name, self.device, self.dtype, self.fuse_projections)
+        model, paged = paged_model(
+            self.model_name, self.device, self.dtype, self.fuse_projections, self.max_model_len
+        )
         limits = SlotLimits(
             self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
         )

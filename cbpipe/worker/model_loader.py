@@ -157,7 +157,7 @@ def load_paged_model(
         if exc.args and exc.args[0] == name:  # GPT-J in transformers 5.17, Falcon in any
             raise own_attention_table_error(source.config, exc) from exc
         raise
-    attention = probe_model(model, binding)
+    attention = probe_model(model, binding, max_model_len)
     log.info("%s: %d attention layers, %s", source.name, attention.num_layers,
              attention.describe())  # fmt: skip
     return model, attention

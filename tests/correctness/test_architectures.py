@@ -51,6 +51,7 @@ REFUSAL_MESSAGES = {
     "qwen3_next": "layers of type linear_attention",
     "deepseek_v3": "multi-head latent attention",
     "bart": "mixes tokens outside attention",
+    "reformer": "its forward failed on two sequences packed",
 }
 
 
@@ -142,3 +143,17 @@ def test_architecture_is_refused_with_its_reason(arch: Arch, checkpoints: Path) 
     message = str(refused.value)
     assert message.startswith(refused.value.architecture + " cannot be served by cbpipe: ")
     assert REFUSAL_MESSAGES[arch.name] in message, message
+
+
+def test_a_window_only_transformers_cache_applies_is_refused_past_it(checkpoints: Path) -> None:
+    """A configuration that sets ``sliding_window`` for an architecture whose attention
+    ignores it (Llama's, Moshi's) gets a windowed cache in ``generate``: all keys in its
+    prefill, a window in its decode steps. Refused past the window; served within it."""
+    name = _checkpoint(Arch("llama", {"sliding_window": WINDOW}), checkpoints / "stray_window")
+    with pytest.raises(UnsupportedModel, match=f"sets sliding_window {WINDOW}.*--max-model-len"):
+        load_paged_model(resolve_model(name), torch.device("cpu"), torch.float32)
+    prompts = _prompts((1, WINDOW - MAX_NEW_TOKENS // 2))
+    expected = [reference_greedy(name, p, WINDOW - len(p), None) for p in prompts]
+    params = [SamplingParams(max_new_tokens=WINDOW - len(p), ignore_eos=True) for p in prompts]
+    harness = InProcessEngine(name, num_blocks=16, block_size=8, max_model_len=WINDOW)
+    assert harness.generate(prompts, params, mode="async") == expected

@@ -13,7 +13,12 @@ changes others). So the worker runs the loaded model twice on a tiny packed inpu
 - rows of different sequences, packed one after another with their own ``position_ids``,
   influence each other only through attention: the second sequence's logits are the same
   packed behind the first as alone. Token mixing outside attention (a convolution, a state
-  space layer, positions counted from the packed index) fails that.
+  space layer, positions counted from the packed index) fails that;
+- the cache ``generate`` would build keeps every key a layer attends to. transformers' cache
+  keeps only a window of keys for every layer when a configuration sets ``sliding_window``
+  without ``layer_types``, whether or not the layer's attention windows; where it does not,
+  ``generate`` attends to all keys in its prefill and to a window in its decode steps, which
+  nothing paged attention computes reproduces past that window.
 
 The probe's own attention is dense and exact (``attend_math`` over each packed sequence with
 the call's variant), so the comparison tests the model, not a kernel.
@@ -21,10 +26,11 @@ the call's variant), so the comparison tests the model, not a kernel.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from cbpipe.models.support import UnsupportedModel, architecture_name
 from cbpipe.worker.attention.binding import StepBinding
@@ -39,6 +45,8 @@ _FIRST_LEN, _SECOND_LEN = 5, 4
 # differ by about the logits' own size.
 _TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 _TOLERANCE_16_BIT = 0.1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,8 +158,12 @@ def dense_attention(
     return out
 
 
-def probe_model(model: PreTrainedModel, binding: StepBinding) -> ModelAttention:
-    """Check that paged attention serves ``model`` exactly; raises ``UnsupportedModel``.
+def probe_model(
+    model: PreTrainedModel, binding: StepBinding, max_model_len: int | None = None
+) -> ModelAttention:
+    """Check that paged attention serves ``model`` exactly, for sequences of up to
+    ``max_model_len`` tokens (default: the model's ``max_position_embeddings``); raises
+    ``UnsupportedModel``.
 
     ``model`` was loaded with ``binding``'s ``attn_implementation``.
     """
@@ -170,7 +182,18 @@ def probe_model(model: PreTrainedModel, binding: StepBinding) -> ModelAttention:
         logits = _forward(model, binding, packed, ids, positions)
     except UnsupportedAttention as exc:
         raise UnsupportedModel(arch, [f"its attention: {exc}"]) from None
+    except Exception as exc:  # noqa: BLE001 - whatever the model's own code raises
+        raise UnsupportedModel(
+            arch,
+            [
+                "its forward failed on two sequences packed as paged attention packs them "
+                f"({type(exc).__name__}: {exc})"
+            ],
+        ) from exc
     layers = _layers(arch, packed.calls, num_layers)
+    if max_model_len is None:
+        max_model_len = getattr(text, "max_position_embeddings", None)
+    _check_cache_windows(arch, text, layers, max_model_len)
     alone = ProbeStep([0, _SECOND_LEN])
     logits_alone = _forward(model, binding, alone, ids[_FIRST_LEN:], positions[_FIRST_LEN:])
     dtype = next(model.parameters()).dtype
@@ -224,6 +247,43 @@ def _layers(arch: str, calls: list[_Call], num_layers: int) -> list[LayerAttenti
             arch, [f"its layers differ in (heads, KV heads, head size): {sorted(shapes)}"]
         )
     return layers
+
+
+def _check_cache_windows(
+    arch: str,
+    text_config: PretrainedConfig,
+    layers: list[LayerAttention],
+    max_model_len: int | None,
+) -> None:
+    """Refuse a model whose ``generate`` would keep fewer keys than its attention reads,
+    within ``max_model_len`` tokens (the cache's window: see the module's docstring)."""
+    try:
+        cache_layers = DynamicCache(config=text_config).layers
+    except Exception as exc:  # noqa: BLE001 - a configuration the cache cannot read
+        log.debug("%s: no cache layout to compare with (%s)", arch, exc)
+        return
+    cut: dict[int, list[int]] = {}  # window -> layers whose attention does not apply it
+    for layer in layers:
+        if layer.index >= len(cache_layers):
+            continue
+        window = getattr(cache_layers[layer.index], "sliding_window", None)
+        attends = layer.variant.sliding_window  # None: every key
+        if window is None or (attends is not None and attends <= window):
+            continue  # the cache keeps every key the layer reads
+        if max_model_len is None or window < max_model_len:
+            cut.setdefault(window, []).append(layer.index)
+    if cut:
+        window = min(cut)
+        raise UnsupportedModel(
+            arch,
+            [
+                f"its configuration sets sliding_window {window}, so transformers' cache keeps "
+                f"only the last {window} keys of layers {cut[window]}, which attend to every "
+                "key: generate would read all keys in its prefill and a window in its decode "
+                f"steps. Serve it with --max-model-len {window} or less, or remove "
+                "sliding_window from its config.json if the model never used it"
+            ],
+        )
 
 
 def _check_independent(
