@@ -84,8 +84,7 @@ class AsyncJob:
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the job to finish; raises ``TimeoutError`` after ``timeout`` seconds.
         A job of several samples has ``results()`` instead."""
-        if self._state.params.n != 1:
-            raise ValueError(f"job {self.request_id} has {self._state.params.n} samples: results()")
+        self._state.require_one_sample("results()")
         return (await self.results(timeout))[0]
 
     async def results(self, timeout: float | None = None) -> list[Result]:
@@ -126,8 +125,13 @@ class AsyncJob:
             for delta in batch:
                 yield delta
 
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[int]:
-        """Yield generated token ids as they arrive (a job of one sample)."""
+    def stream(self, timeout: float | None = None) -> AsyncIterator[int]:
+        """Yield generated token ids as they arrive (a job of one sample: ``ValueError``
+        for more, whose tokens would interleave; ``deltas()`` names each one's sample)."""
+        self._state.require_one_sample("deltas()")
+        return self._token_ids(timeout)
+
+    async def _token_ids(self, timeout: float | None) -> AsyncIterator[int]:
         async for batch in self.delta_batches(timeout):
             for delta in batch:
                 for token_id in delta.token_ids:

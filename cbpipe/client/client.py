@@ -74,8 +74,7 @@ class Job:
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the job to finish; raises ``TimeoutError`` after ``timeout`` seconds.
         A job of several samples has ``results()`` instead."""
-        if self._state.params.n != 1:
-            raise ValueError(f"job {self.request_id} has {self._state.params.n} samples: results()")
+        self._state.require_one_sample("results()")
         return self.results(timeout)[0]
 
     def results(self, timeout: float | None = None) -> list[Result]:
@@ -104,9 +103,10 @@ class Job:
                 return
 
     def stream(self, timeout: float | None = None) -> Iterator[int]:
-        """Yield generated token ids as they arrive (a job of one sample)."""
-        for delta in self.deltas(timeout):
-            yield from delta.token_ids
+        """Yield generated token ids as they arrive (a job of one sample: ``ValueError``
+        for more, whose tokens would interleave; ``deltas()`` names each one's sample)."""
+        self._state.require_one_sample("deltas()")
+        return (token_id for delta in self.deltas(timeout) for token_id in delta.token_ids)
 
     def cancel(self) -> None:
         """Ask the engine to stop this job; ``result()`` then reports ``"cancelled"``."""

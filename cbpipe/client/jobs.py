@@ -279,6 +279,11 @@ class JobState:
     def done(self) -> bool:
         return self.error is not None or all(s.result is not None for s in self.samples)
 
+    def require_one_sample(self, instead: str) -> None:
+        """For the readers of one sample's output: a job of several has ``instead``."""
+        if self.params.n != 1:
+            raise ValueError(f"job {self.request_id} has {self.params.n} samples: {instead}")
+
     @property
     def num_deltas(self) -> int:
         return len(self._marks) // _MARK.size

@@ -194,6 +194,8 @@ def test_n_samples_of_one_prompt(text_client: Client) -> None:
     assert single.result(timeout=RESULT_TIMEOUT_S).token_ids == results[0].token_ids
     with pytest.raises(ValueError, match="results"):
         job.result(timeout=1)
+    with pytest.raises(ValueError, match="deltas"):  # the samples' tokens would interleave
+        job.stream(timeout=1)
 
 
 @needs_text_model

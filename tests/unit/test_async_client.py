@@ -139,6 +139,8 @@ def test_deltas_stream_and_results_of_several_samples(tmp_path: Path) -> None:
         ]  # fmt: skip
         with pytest.raises(ValueError, match="results"):
             await job.result()
+        with pytest.raises(ValueError, match="deltas"):  # the samples' tokens would interleave
+            job.stream()
         await client.close()
 
     run_with_engine(tmp_path, test)
