@@ -18,9 +18,11 @@ def setup_logging(level: str, process: str) -> None:
         # transformers and friends are chatty at info level
         for noisy in ("transformers", "urllib3", "filelock"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("TQDM_DISABLE", "1")
-        _quiet_loading_bars()
+    # Progress bars are no log: off at every level, unless HF_HUB_DISABLE_PROGRESS_BARS=0 (or
+    # TQDM_DISABLE=0) asks for them. A download's bars are hub.py's to show.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    _quiet_loading_bars()
     _thread_lock_for_progress_bars()
 
 
