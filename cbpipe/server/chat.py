@@ -271,7 +271,7 @@ async def _stream(
         }  # fmt: skip
     )
     events = _events(generation, body, state.text, envelope, first, batches, use)
-    return EventStream(events, generation.cancel_unfinished)
+    return EventStream(events, generation)
 
 
 def _events(

@@ -258,21 +258,23 @@ async def first_batch_then(
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events from ``events``. When the client goes away, ``on_close`` runs at
-    once (it cancels the request's jobs: their blocks are freed without waiting for the
-    next token to fail to send); it runs again, harmlessly, when the stream ends."""
+    """Server-sent events of ``generation`` from ``events``. When the client goes away,
+    ``client_left`` runs at once (it cancels the request's jobs: their blocks are freed
+    without waiting for the next token to fail to send); when the stream ends, what is
+    unfinished is cancelled (nothing, unless it ended on an error)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], generation: Generation) -> None:
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         super().__init__(events, headers=headers, media_type=self.media_type)
         self.events = events
-        self.on_close = on_close
+        self.on_close = generation.cancel_unfinished
+        self.on_disconnect = generation.client_left
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-        watcher.add_done_callback(lambda task: None if task.cancelled() else self.on_close())
+        watcher.add_done_callback(lambda task: None if task.cancelled() else self.on_disconnect())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for event in self.events:

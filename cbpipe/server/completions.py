@@ -248,9 +248,7 @@ async def _stream(
             "model": state.model_name,
         }  # fmt: skip
     )
-    return EventStream(
-        _events(generation, format, envelope, first, batches), generation.cancel_unfinished
-    )
+    return EventStream(_events(generation, format, envelope, first, batches), generation)
 
 
 def _events(

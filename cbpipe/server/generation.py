@@ -24,6 +24,7 @@ class _SampleClock:
     first_s: float | None = None
     last_s: float = 0.0
     num_tokens: int = 0
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Generation:
         self.num_prompt_tokens = sum(len(p) for p in self.prompts)
         self.num_generated_tokens = 0
         self.num_cached_tokens: int | None = None  # known once the results are in
+        self._recorded = False  # in the metrics: by ``results()``, or as the client left
 
     async def batches(self) -> AsyncIterator[Batch]:
         """Every job's deltas as they arrive, timed; raises the first job error (and
@@ -114,6 +116,9 @@ class Generation:
         self.num_cached_tokens = sum(
             min(r.num_cached_tokens for r in prompt_results) for prompt_results in results
         )
+        if self._recorded:
+            return results
+        self._recorded = True
         now = time.perf_counter()
         self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self.metrics.generation_tokens.inc(self.num_generated_tokens)
@@ -138,6 +143,19 @@ class Generation:
         if self.num_cached_tokens is not None:
             body["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
         return body
+
+    def client_left(self) -> None:
+        """Cancel what is unfinished, and count the request in the metrics as it stands:
+        the tokens it got, and each sample the client did not see finish as cancelled."""
+        self.cancel_unfinished()
+        if self._recorded:
+            return
+        self._recorded = True
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self.metrics.generation_tokens.inc(self.num_generated_tokens)
+        for clocks in self._clocks:
+            for clock in clocks:
+                self.metrics.request_finished(clock.finish_reason or "cancelled")
 
     def cancel_unfinished(self) -> None:
         """Ask the engine to stop every job not yet finished (without awaiting: this runs in
@@ -182,9 +200,10 @@ class Generation:
         now = time.perf_counter()
         clocks = self._clocks[batch.prompt_index]
         for delta in batch.deltas:
+            clock = clocks[delta.index]
+            clock.finish_reason = delta.finish_reason or clock.finish_reason
             if not delta.token_ids:
                 continue
-            clock = clocks[delta.index]
             if clock.first_s is None:
                 clock.first_s = now
                 self.metrics.time_to_first_token.observe(now - self.arrival_s)

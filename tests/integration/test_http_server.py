@@ -729,6 +729,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(
     else:
         body["prompt"] = "Tell me"
     headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
+    cancelled = "cbpipe:request_success_total{finished_reason=cancelled}"
+    before = scrape(http_engine.http_url)
     with (
         httpx.Client(base_url=http_engine.http_url, headers=headers, timeout=60) as leaver,
         leaver.stream("POST", endpoint, json=body) as response,
@@ -744,11 +746,14 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(
     stats = wait_until_idle(http_engine.address)
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.kv_cache_usage == 0.0
+    assert scrape(http_engine.http_url).get(cancelled, 0) - before.get(cancelled, 0) == 1
 
 
 def test_a_client_that_gives_up_on_a_reply_frees_its_blocks(http_engine: EngineRun) -> None:
     body = {"prompt": "Tell me", "max_tokens": 1800, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
+    cancelled = "cbpipe:request_success_total{finished_reason=cancelled}"
+    before_metrics = scrape(http_engine.http_url)
     with Client(http_engine.address) as client:
         before = client.stats().num_generation_tokens
         with pytest.raises(httpx.ReadTimeout):  # gives up long before 1800 tokens
@@ -757,6 +762,8 @@ def test_a_client_that_gives_up_on_a_reply_frees_its_blocks(http_engine: EngineR
     stats = wait_until_idle(http_engine.address)
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert 0 < stats.num_generation_tokens - before < 1800  # cancelled, not run to its end
+    after_metrics = scrape(http_engine.http_url)  # and counted so
+    assert after_metrics.get(cancelled, 0) - before_metrics.get(cancelled, 0) == 1
 
 
 def test_bad_requests_leave_a_running_stream_alone(
