@@ -155,9 +155,12 @@ class _Format:
         strings = [self.text.token_string(t) for t in token_ids]
         offset = self.offsets.get(choice, 0)
         offsets = []
+        # Offsets into the choice's text: without a tokenizer it is empty, and the strings
+        # name the tokens (token_id:<id>) rather than spell them.
+        spelled = self.text.has_tokenizer
         for s in strings:
             offsets.append(offset)
-            offset += len(s)
+            offset += len(s) if spelled else 0
         self.offsets[choice] = offset
         top_dicts: list[dict[str, float] | None] = []
         for s, lp, top in zip(strings, logprobs, tops, strict=True):

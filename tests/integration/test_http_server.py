@@ -508,6 +508,7 @@ def test_no_tokenizer_takes_token_ids_and_answers_with_them(tiny_api: openai.Ope
     assert len(ids) == 8 and all(0 <= t < VOCAB_SIZE for t in ids)
     assert choice.logprobs is not None
     assert choice.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert choice.logprobs.text_offset == [0] * len(ids)  # into the text, which is empty
     with pytest.raises(openai.BadRequestError, match="no tokenizer"):
         tiny_api.completions.create(model="random:qwen2-tiny", prompt="text", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="no tokenizer"):
