@@ -1,4 +1,6 @@
 import argparse
+import re
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +192,28 @@ def test_a_chat_template_that_names_no_file_or_does_not_compile_is_refused(
         checked("broken.jinja")
     # transformers' own extension: the tag that marks the assistant's tokens compiles.
     checked("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}")
+
+
+README = Path(__file__).parents[2] / "README.md"
+
+
+def test_every_flag_is_in_the_readme_option_table() -> None:
+    text = README.read_text()
+    table = text[text.index("## Launcher options") : text.index("### Tensor parallelism")]
+    flags = {
+        option
+        for action in parser()._actions
+        for option in action.option_strings
+        if option.startswith("--") and not option.startswith("--no-") and option != "--help"
+    }
+    missing = sorted(f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", table))
+    assert not missing, f"README's option table lacks {missing}"
+
+
+def test_the_readme_chat_examples_template_is_shipped_and_compiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README's HTTP examples chat with the embedded model, which has no template."""
+    (shipped,) = set(re.findall(r"--chat-template (\S+\.jinja)", README.read_text()))
+    monkeypatch.chdir(README.parent)  # the examples run from the repository root
+    config.EngineConfig(server=config.ServerConfig(port=0, chat_template=shipped)).validate()
