@@ -70,7 +70,10 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
         _stop_on_signals(loop)
         loop.run()
     except Exception as exc:
-        if loop is None:
+        if isinstance(exc, WorkersNotStarted):  # the workers said why, or the launcher will
+            log.error("%s", exc)
+            ready.send(("failed", str(exc)))
+        elif loop is None:
             log.exception("scheduler failed to start")
             ready.send(("failed", traceback.format_exc()))
         elif isinstance(exc, WorkerLost):
@@ -96,6 +99,10 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
 
 class BindError(Exception):
     """An address the scheduler cannot listen on (taken by another process, say)."""
+
+
+class WorkersNotStarted(RuntimeError):
+    """A worker rank failed to start, or not all reported within the start-up limit."""
 
 
 @dataclasses.dataclass
@@ -133,8 +140,9 @@ class EngineSockets:
             if authenticator is not None:
                 authenticator.stop()
             clients.close(linger=0)
+            reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
             raise BindError(
-                f"cannot listen for clients on {spec.addresses.client}: {zmq.strerror(exc.errno)} "
+                f"cannot listen for clients on {spec.addresses.client}: {reason} "
                 "(another cbpipe-launch or program may hold it: choose another --address)"
             ) from None
         # Every step goes to every worker rank, so a publisher: XPUB rather than PUB, because
@@ -276,7 +284,7 @@ def _wait_for_workers(
         left_ms = int((deadline - time.monotonic()) * 1e3)
         events = dict(poller.poll(max(left_ms, 0))) if left_ms > 0 else {}
         if not events:
-            raise TimeoutError(
+            raise WorkersNotStarted(
                 f"{len(reports)} of {num_ranks} worker rank(s) reported ready and {subscribed} "
                 f"subscribed to the steps within {timeout_s:.0f} s"
             )
@@ -289,7 +297,7 @@ def _wait_for_workers(
                 continue
             message = decode(frame, expected=(WorkerReady, WorkerFailed))
             if isinstance(message, WorkerFailed):
-                raise RuntimeError(f"worker failed to start: {message.message}")
+                raise WorkersNotStarted(f"worker failed to start: {message.message}")
             assert isinstance(message, WorkerReady)
             reports[message.rank] = message
             log.debug("worker rank %d of %d ready: %s", message.rank, num_ranks, message)
