@@ -489,6 +489,12 @@ def _stop(specs: list[ChildSpec], children: dict[str, mp.process.BaseProcess]) -
             process.terminate()
             _resume(process)  # a stopped process acts on SIGTERM only once it runs
             process.join(STOP_TIMEOUT_S)
+            if process.is_alive():  # a hang in its orderly stop: a defect, said so
+                print(
+                    f"cbpipe-launch: the {child.name} did not stop within {STOP_TIMEOUT_S:g} s "
+                    "of SIGTERM; killed it",
+                    file=sys.stderr,
+                )
     for process in children.values():
         if process.is_alive():
             _kill(process)

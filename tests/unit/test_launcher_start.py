@@ -4,6 +4,7 @@ how it reads its command line."""
 import argparse
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -120,3 +121,30 @@ def test_a_bad_command_line_gets_the_short_usage_and_its_error(
     usage, message = capsys.readouterr().err.splitlines()
     assert usage == "usage: cbpipe-launch [MODEL] [options]"
     assert message.startswith("cbpipe-launch: error: ") and error in message
+
+
+def _deaf_to_sigterm(deaf: Any) -> None:
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    deaf.set()
+    time.sleep(60)
+
+
+def test_a_child_that_does_not_stop_is_killed_and_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hang in a child's orderly stop ends in SIGKILL, and the launcher says which child."""
+    import multiprocessing as mp
+
+    monkeypatch.setattr(launcher, "STOP_TIMEOUT_S", 0.2)
+    context = mp.get_context("fork")
+    deaf = context.Event()
+    process = context.Process(target=_deaf_to_sigterm, args=(deaf,))
+    process.start()
+    assert deaf.wait(60)
+    spec = launcher.ChildSpec("worker", _deaf_to_sigterm)  # type: ignore[arg-type]
+    launcher._stop([spec], {"worker": process})
+    assert not process.is_alive() and process.exitcode == -9
+    assert "the worker did not stop within 0.2 s of SIGTERM; killed it" in capsys.readouterr().err
