@@ -114,6 +114,7 @@ class EngineRun:
                     f"SIGTERM\nstderr:\n{self.stderr}"
                 )
             assert code == 0, f"SIGTERM: launcher exit code {code}\nstderr:\n{self.stderr}"
+            assert "did not stop within" not in self.stderr, self.stderr  # killed, not stopped
         self.assert_cleaned_up()
 
     def assert_cleaned_up(self) -> None:
