@@ -9,6 +9,7 @@ texts, and names tokens ``token_id:<id>`` where a string is due (vLLM's spelling
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -132,10 +133,16 @@ def check_chat_template(template: str) -> None:
     """Raises ``ValueError`` unless ``template`` compiles as transformers compiles it for
     ``apply_chat_template`` (a sandboxed Jinja environment with its extensions)."""
     from jinja2 import TemplateError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    compile: Callable[[str], object]
+    try:  # transformers' own, private: a release without it gets plain sandboxed Jinja
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        compile = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string
     try:
-        _compile_jinja_template(template)
+        compile(template)
     except TemplateError as exc:
         line = getattr(exc, "lineno", None)
         where = f" (line {line})" if line else ""
