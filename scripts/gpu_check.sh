@@ -32,6 +32,10 @@
 #            and the libraries ship it; `python -X importtime` of cbpipe.launcher, its 12
 #            slowest modules (cumulative), twice, then twice with PYTHONPYCACHEPREFIX set to
 #            a writable folder                                                   (~1-2 min)
+#   hostcpu  the host's CPU against the scheduler's: lscpu, then scripts/bench_scheduler.py at the
+#            1B bench's shape (256 sequences, 128 + 1024 tokens) HOSTCPU_RUNS times: the
+#            scheduler's CPU a step on this host without a GPU, to set beside the bench part's
+#            "sched. CPU ms/step" (wall time in the engine; its trace is in traces1b_256) (~1 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync, with the default flags (the decode forward compiled:
 #            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
@@ -406,6 +410,21 @@ PYEOF
         rm -f "$OUT/importtime.txt"
     } 2>&1 | tee "$OUT/imports.log"
     rcs+=("imports=$(grep '^exit code' "$OUT/imports.log" | awk '{print $3}' | tr -d , | paste -sd/ -)")
+fi
+
+if want hostcpu; then
+    {
+        section "the host's CPU"
+        lscpu | grep -E "Model name|MHz|^CPU\(s\)|Thread|Socket|NUMA node\(s\)"
+        for run in $(seq "${HOSTCPU_RUNS:-3}"); do
+            section "bench_scheduler.py at the 1B bench's shape, run $run"
+            "$PY" scripts/bench_scheduler.py --num-requests 256 --max-num-seqs 256 \
+                --prompt-len 128 128 --output-len "$output_len" "$output_len" \
+                | grep -E "decode-only|with prefill"
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+    } 2>&1 | tee "$OUT/hostcpu.log"
+    rcs+=("hostcpu=$(grep '^exit code' "$OUT/hostcpu.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want bench; then
