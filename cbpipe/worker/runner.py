@@ -95,9 +95,9 @@ class SlotBuffers(DeviceSlot):
 
 
 class StepFacts(NamedTuple):
-    """What the launch of a FULL or prompt log-probability step reads from the host slot
-    (which is the worker's from the step message until its H2D copy), to size its device
-    work without reading device memory."""
+    """What the launch of a step reads from the host slot (which is the worker's from the
+    step message until its H2D copy), to size its device work without reading device
+    memory: for any step its restarts, for FULL and prompt log-probability steps more."""
 
     num_restarts: int = 0  # sequences that took their request row: its state is cleared
     truncation: bool = False  # some sequence has top-k or top-p: the sampler sorts
@@ -555,10 +555,9 @@ class StepRunner:
             self._wait(self.d2h_done[k])
             self._record(compute_start)
             start_ns = time.perf_counter_ns()
+            self._prepare_state(step, slot, facts.num_restarts)
             if graph is not None:
                 assert self.graph_slot is not None
-                if step.sampling is SamplingMode.FULL:
-                    self._prepare_state(step, slot, facts.num_restarts)
                 self.graph_slot.device_input[:used].copy_(slot.device_input[:used])
                 graph.replay()
                 slot.device_output[:out_nbytes].copy_(self.graph_slot.device_output[:out_nbytes])
@@ -618,16 +617,19 @@ class StepRunner:
         return self.graphs.find(step, truncation=self._step_facts(step, slot).truncation)
 
     def _step_facts(self, step: Step, slot: SlotBuffers) -> StepFacts:
-        """Read what a FULL or prompt log-probability step's launch needs from the host slot."""
-        full = step.sampling is SamplingMode.FULL
-        if not full and not step.prompt_logprobs:
-            return StepFacts()
+        """Read what a step's launch needs from the host slot."""
         host = slot.host_inputs
         s = step.num_seqs
+        # In every step, not only FULL ones: a request that needs no state may take a row in
+        # a GREEDY step and be sampled in a FULL one later, beside another request, with its
+        # row's bias (which must then be its own: none).
+        num_restarts = int(np.count_nonzero(host.resets_row[:s]))
+        full = step.sampling is SamplingMode.FULL
+        if not full and not step.prompt_logprobs:
+            return StepFacts(num_restarts)
         query_start = host.query_start[: s + 1]
-        num_restarts, truncation, num_rows = 0, False, 0
+        truncation, num_rows = False, 0
         if full:
-            num_restarts = int(np.count_nonzero(host.resets_row[:s]))
             top_k = host.top_k[:s]
             truncation = bool(((top_k > 0) & (top_k < self.vocab)).any())
             truncation = truncation or bool((host.top_p[:s] < 1.0).any())
@@ -637,9 +639,10 @@ class StepRunner:
         return StepFacts(num_restarts, truncation, num_rows)
 
     def _prepare_state(self, step: Step, slot: SlotBuffers, num_restarts: int) -> None:
-        """Before a FULL step's rows are counted: clear the rows of the sequences that took
-        them in this step, then apply the step's logit-bias entries (``sampling_state``).
-        Eager and sized by host integers, also before a graph replay: both are rare."""
+        """Before any step: clear the rows of the sequences that took them in this step, then
+        apply the step's logit-bias entries (a FULL step's: only requests that sample FULL
+        have any; ``sampling_state``). Eager and sized by host integers, also before a graph
+        replay: a step with either is rare (sequences start in prefill steps, mostly)."""
         inputs, s = slot.inputs, step.num_seqs
         if num_restarts:
             restarts = inputs.resets_row[:s].to(torch.int8)
@@ -684,7 +687,7 @@ class StepRunner:
             seq_of_row = torch.repeat_interleave(self._row_ids[:s], lengths, output_size=t)
         if full:
             assert seq_of_row is not None
-            rows = self._count_step_inputs(step, slot, facts, input_ids, seq_of_row)
+            rows = self._count_step_inputs(step, slot, input_ids, seq_of_row)
         logits = self._eager_logits(step, slot, facts, input_ids, paged, seq_of_row)
         if rows is not None:
             self.sampling.sample_full(slot, logits, s, rows, facts.truncation, step.top_logprobs)
@@ -695,15 +698,13 @@ class StepRunner:
         self,
         step: Step,
         slot: SlotBuffers,
-        facts: StepFacts,
         input_ids: torch.Tensor,  # [num_tokens], after carry-over
         seq_of_row: torch.Tensor,  # [num_tokens]
     ) -> torch.Tensor:
-        """A FULL step's state before sampling: resets, bias entries, the rows' tokens.
-        Returns each sequence's state row."""
+        """A FULL step's state before sampling (its resets and bias entries done): the rows'
+        tokens. Returns each sequence's state row."""
         inputs, t, s = slot.inputs, step.num_tokens, step.num_seqs
         rows = inputs.request_row[:s].long()
-        self._prepare_state(step, slot, facts.num_restarts)
         num_prompt = inputs.num_prompt_tokens[:s][seq_of_row]
         self.state.count_inputs(rows[seq_of_row], input_ids, inputs.positions[:t], num_prompt)
         return rows

@@ -18,13 +18,17 @@ request's row:
 Memory: 9 bytes per (row, token). Llama 3's vocabulary of 128256 with ``--max-num-seqs 256``
 is 257 x 128256 x 9 = 297 MB (38 MB at 32 sequences), allocated before the KV cache is sized.
 
-Maintained in FULL steps only; every step that holds a request needing the state is FULL (the
-scheduler's rule), so no update a request needs is ever skipped. Per step, on the compute
-stream, in this order:
+A row is cleared in whatever step a sequence takes it; the rest is maintained in FULL steps
+only: every step that holds a request needing the state is FULL (the scheduler's rule), so
+no update a request needs is ever skipped. A request that needs none still has its row read
+when a FULL step samples it beside one that does (the bias is added to every row), so its
+row must hold nothing of its previous owner's: zeros, whatever mode its first step had. Per
+step, on the compute stream, in this order:
 
 1. ``reset`` the rows of sequences that took them in this step (the slot's ``resets_row``:
    new, or resumed after a preemption; from position 0, or after a cached prefix, whose rows
-   are never counted: requests that need the counts or the bias read no cached blocks);
+   are never counted: requests that need the counts or the bias read no cached blocks), in
+   every step, FULL or not;
 2. ``apply_bias``: the step's logit-bias entries, in order (the last entry for a (row, token)
    wins);
 3. ``count_inputs``: each row of the step whose position is at or past its row's

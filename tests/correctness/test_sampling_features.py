@@ -371,6 +371,46 @@ def test_a_random_request_in_a_full_crowd_draws_what_it_draws_alone() -> None:
     assert together[0] == alone
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_row_taken_outside_full_steps_holds_nothing_of_its_last_owner(mode: str) -> None:
+    """A request that needs no state takes, in a GREEDY step, the row of one that had a
+    logit bias or a min_tokens ban (never lifted: it ended at min_tokens); a request that
+    needs the full sampler arrives two steps later, so the first is sampled in FULL steps,
+    with its row's bias. It must be its own (none): the row was cleared as it was taken."""
+    rng = random.Random(23)
+    first, prompt, other = ([rng.randrange(3, VOCAB) for _ in range(10)] for _ in range(3))
+    expected = reference_generate(QWEN, prompt, 8)
+    favoured = next(t for t in range(3, VOCAB) if t not in expected)
+    # A token it outputs after the FULL steps began, as its stop token: a ban would hide it.
+    end = next(i for i in range(4, 8) if expected[i] not in expected[:i])
+    for owner, plain_params, plain_expected in (
+        (
+            SamplingParams(1, logit_bias=((favoured, 100.0),), ignore_eos=True),
+            SamplingParams(8, ignore_eos=True),
+            expected,
+        ),
+        (
+            SamplingParams(2, min_tokens=2, stop_token_ids=(expected[end],)),
+            SamplingParams(8, stop_token_ids=(expected[end],), ignore_eos=True),
+            expected[: end + 1],
+        ),
+    ):
+        engine = InProcessEngine(QWEN, max_num_seqs=2)
+        engine.generate([first], [owner], mode=mode)
+        found = count_replays(engine)
+        plain, full = engine.run(
+            mode=mode,
+            arrivals={
+                1: [(prompt, plain_params)],
+                3: [(other, SamplingParams(8, top_k=5, ignore_eos=True))],
+            },
+        )
+        assert plain.output_token_ids == plain_expected, owner
+        assert full.output_token_ids == reference_generate(QWEN, other, 8)
+        modes = [step.sampling for step, _ in found]
+        assert modes[0] is SamplingMode.GREEDY and SamplingMode.FULL in modes, modes
+
+
 @needs_embedded
 def test_full_decode_graph_bodies_match_eager_steps() -> None:
     """FULL decode steps through the padded graph bodies (the Triton decode kernel under the
