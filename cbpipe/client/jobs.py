@@ -215,6 +215,7 @@ class Delta(NamedTuple):
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # with the finish: the stop string or token id
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,10 @@ class JobState:
         sample, logprobs = self.samples[index], self.params.logprobs
         if finish:
             assert sample.result is not None
-            return Delta(index, [], "", finish_reason=sample.result.finish_reason)
+            result = sample.result
+            return Delta(
+                index, [], "", finish_reason=result.finish_reason, stop_reason=result.stop_reason
+            )
         return Delta(
             index,
             sample.token_ids[start:stop],

@@ -328,6 +328,7 @@ def _batch_choices(
             "delta": message,
             "logprobs": None,
             "finish_reason": finish_reason,
+            "stop_reason": entry.stop_reason,  # vLLM's, in every chunk
         }
         if body.logprobs and entry.token_ids:
             scored = _content_logprobs(text, entry.token_ids, entry.logprobs, entry.top_logprobs)

@@ -283,6 +283,7 @@ def _echo_choices(generation: Generation, format: _Format, prompt_index: int) ->
             "text": format.prompt_text(prompt_index),
             "logprobs": None,
             "finish_reason": None,
+            "stop_reason": None,
         }
         if format.body.logprobs is not None:
             given = generation.jobs[prompt_index].prompt_logprobs
@@ -301,6 +302,7 @@ def _batch_choices(format: _Format, batch: Batch) -> list[dict[str, Any]]:
             "text": entry.text,
             "logprobs": None,
             "finish_reason": entry.finish_reason,
+            "stop_reason": entry.stop_reason,  # vLLM's, in every chunk
         }
         if format.body.logprobs is not None and entry.token_ids:
             out["logprobs"] = format.logprobs(

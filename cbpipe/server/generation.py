@@ -36,6 +36,7 @@ class SampleDelta:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Batch:
                 entry.logprobs += delta.logprobs
                 entry.top_logprobs += delta.top_logprobs or [[] for _ in delta.logprobs]
             if delta.finish_reason is not None:
-                entry.finish_reason = delta.finish_reason
+                entry.finish_reason, entry.stop_reason = delta.finish_reason, delta.stop_reason
         return joined
 
 

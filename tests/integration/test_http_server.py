@@ -321,11 +321,28 @@ def test_stop_strings_end_the_text_before_them(api: openai.OpenAI) -> None:
     )  # fmt: skip
     assert reply.choices[0].text == cut
     assert reply.choices[0].finish_reason == "stop"
-    streamed = api.completions.create(
+    assert reply.choices[0].model_extra["stop_reason"] == stop  # type: ignore[index]
+    streamed = list(api.completions.create(
         model=MODEL, prompt="Return the", max_tokens=40, temperature=0, stop=stop,
         stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    ))  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed) == cut
+    # vLLM's stop_reason in every chunk: null until the one that finishes
+    reasons = [c.choices[0].model_extra["stop_reason"] for c in streamed]  # type: ignore[index]
+    assert reasons == [None] * (len(streamed) - 1) + [stop]
+    messages = [{"role": "user", "content": "Return the"}]
+    said = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    ).choices[0].message.content  # fmt: skip
+    assert said and len(said) > 8, said
+    chat_stop = said[6:8]  # some text of the reply (the embedded model's is not prose)
+    chat = list(api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0,  # type: ignore[arg-type]
+        stop=[chat_stop], stream=True, extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    last = chat[-1].choices[0]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", chat_stop)  # type: ignore[index]
 
 
 def test_stop_strings_and_special_tokens_kept_in_the_text_on_request(
