@@ -109,6 +109,15 @@ class Applied:
     update_end_ns: int
 
 
+def worker_frame(token: bytes, sealed: bytes) -> bytes | None:
+    """The frame a worker of this run sent on the results socket, or None (logged) for one
+    without the run's token: another process of this user, which says nothing of the steps."""
+    frame = unseal(token, sealed)
+    if frame is None:
+        log.warning("ignored a frame on the results socket without the run's token")
+    return frame
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -281,10 +290,8 @@ class EngineLoop:
             take_messages(lambda: bool(self.client_socket.poll(0)), self.frontend.receive)
 
     def _on_result(self, sealed: bytes) -> None:
-        frame = unseal(self.results_token, sealed)
+        frame = worker_frame(self.results_token, sealed)
         if frame is None:
-            # Another process of this user: whatever it says, it says nothing of the steps.
-            log.warning("ignored a frame on the results socket without the run's token")
             return
         try:
             message = decode(frame, expected=(StepDone, WorkerFailed))

@@ -19,12 +19,12 @@ from cbpipe.models import resolve_model
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import MAX_FRAME_BYTES, WorkerFailed, WorkerReady, decode
-from cbpipe.protocol.security import CurveKeys, unseal, uses_curve
+from cbpipe.protocol.security import CurveKeys, uses_curve
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
-from cbpipe.scheduler.loop import EngineLoop, Liveness, WorkerLost
+from cbpipe.scheduler.loop import EngineLoop, Liveness, WorkerLost, worker_frame
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.trace import write_chrome_trace
 
@@ -291,9 +291,8 @@ def _wait_for_workers(
         if steps in events and steps.recv()[:1] == b"\x01":  # a subscription, not its end
             subscribed += 1
         if results in events:
-            frame = unseal(token, results.recv())
+            frame = worker_frame(token, results.recv())
             if frame is None:
-                log.warning("ignored a frame on the results socket without the run's token")
                 continue
             message = decode(frame, expected=(WorkerReady, WorkerFailed))
             if isinstance(message, WorkerFailed):
