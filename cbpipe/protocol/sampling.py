@@ -23,6 +23,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 128  # n
 MAX_CACHE_SALT_CHARS = 256
+# A structured-output spec (a JSON schema, a regex, a grammar, the choices together): tool
+# definitions make schemas of tens of kilobytes; a bound keeps one request's compile bounded.
+MAX_STRUCTURED_CHARS = 256 * 1024
+MAX_CHOICES = 1024
 MAX_TEMPERATURE = 1e4  # far above any useful value, and its reciprocal is a normal float32
 # OpenAI's range for logit_bias values; -100 bans a token in practice, as it does there.
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -45,6 +49,64 @@ def safe_repr(value: object) -> str:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a sample's text, as vLLM's ``structured_outputs`` has it: exactly one
+    of a JSON schema (``json``, as JSON text), any JSON object (``json_object``), a regular
+    expression, a list of choices, or a Lark grammar (llguidance's dialect). The device masks
+    every token that would leave the constraint, so the text always matches it or is a prefix
+    of a match (a sample cut short by its length limit)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: ``json``, ``json_object``, ``regex``, ``choice`` or
+        ``grammar``."""
+        if self.json_object:
+            return "json_object"
+        names = ("json", "regex", "choice", "grammar")
+        return next(name for name in names if getattr(self, name) is not None)
+
+    def validate(self) -> None:
+        _check_bool("structured_output.json_object", self.json_object)
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured_output takes exactly one of json, json_object, regex, choice and "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_output.{name} must be a non-empty string")
+            if len(value) > MAX_STRUCTURED_CHARS:
+                raise ValueError(
+                    f"structured_output.{name} holds {len(value)} characters; at most "
+                    f"{MAX_STRUCTURED_CHARS} are allowed"
+                )
+        if self.choice is not None:
+            _check_sequence("structured_output.choice", self.choice, MAX_CHOICES)
+            if not self.choice:
+                raise ValueError("structured_output.choice must hold at least one choice")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_output.choice entries must be non-empty strings")
+            if sum(map(len, self.choice)) > MAX_STRUCTURED_CHARS:
+                raise ValueError(
+                    f"structured_output.choice holds more than {MAX_STRUCTURED_CHARS} characters"
+                )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request chooses its tokens, what it reports, and when it stops.
 
@@ -52,9 +114,10 @@ class SamplingParams:
     whatever else shares its batch: the random number for output token ``i`` of sample ``j``
     depends only on ``(seed, j, i)``.
 
-    Processing order on the device, as vLLM has it: ``logit_bias`` and the ``min_tokens`` ban,
-    then the penalties, then temperature, ``min_p``, ``top_k`` and ``top_p``. Log-probabilities
-    (``logprobs``, ``prompt_logprobs``) are the model's own distribution, before any of that.
+    Processing order on the device, as vLLM has it: the ``structured_output`` mask, then
+    ``logit_bias`` and the ``min_tokens`` ban, then the penalties, then temperature,
+    ``min_p``, ``top_k`` and ``top_p``. Log-probabilities (``logprobs``, ``prompt_logprobs``)
+    are the model's own distribution, before any of that.
     """
 
     max_new_tokens: int
@@ -83,6 +146,7 @@ class SamplingParams:
     # Requests share cached prompt blocks only with requests of the same salt: a client that
     # passes its own keeps its prompts' cache to itself.
     cache_salt: str | None = None
+    structured_output: StructuredOutput | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first parameter that is out of range."""
@@ -137,6 +201,10 @@ class SamplingParams:
             raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are matched in the text: they need detokenize")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError("structured_output must be a StructuredOutput")
+            self.structured_output.validate()
 
     @property
     def is_greedy(self) -> bool:
@@ -161,6 +229,7 @@ class SamplingParams:
             or bool(self.logit_bias)
             or self.has_penalties
             or bool(self.logprobs)  # top alternatives; the sampled token's own is always there
+            or self.structured_output is not None  # its token mask is a row of the bias
         )
 
 
