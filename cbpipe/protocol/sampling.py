@@ -61,6 +61,9 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # JSON without whitespace between its tokens; by default any whitespace may come there,
+    # as models trained on pretty-printed JSON write it (vLLM's default too).
+    disable_any_whitespace: bool = False
 
     @property
     def kind(self) -> str:
@@ -73,6 +76,7 @@ class StructuredOutput:
 
     def validate(self) -> None:
         _check_bool("structured_output.json_object", self.json_object)
+        _check_bool("structured_output.disable_any_whitespace", self.disable_any_whitespace)
         given = [
             name
             for name in ("json", "regex", "choice", "grammar")
