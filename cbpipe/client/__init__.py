@@ -16,6 +16,7 @@ from cbpipe.client.jobs import (
     SamplingOptions,
 )
 from cbpipe.protocol.messages import Stats
+from cbpipe.protocol.sampling import StructuredOutput
 
 __all__ = [
     "AsyncClient",
@@ -30,4 +31,5 @@ __all__ = [
     "Result",
     "SamplingOptions",
     "Stats",
+    "StructuredOutput",
 ]

@@ -10,10 +10,11 @@ its event loop, and each wakes its own waiters (a ``ReplySink``).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol, TypedDict
 
 import zmq
@@ -34,7 +35,7 @@ from cbpipe.protocol.messages import (
     decode,
     encode,
 )
-from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.sampling import SamplingParams, StructuredOutput
 from cbpipe.protocol.security import CurveKeys, uses_curve
 
 log = logging.getLogger("cbpipe.client")
@@ -85,6 +86,8 @@ class SamplingOptions(TypedDict, total=False):
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     cache_salt: str | None
+    # A StructuredOutput, or a mapping as vLLM's structured_outputs: {"json": schema}, ...
+    structured_output: StructuredOutput | Mapping[str, Any] | None
 
 
 # Replies carry a step's tokens of many jobs: roomy, but bounded.
@@ -141,6 +144,7 @@ def make_params(max_new_tokens: int, options: SamplingOptions) -> SamplingParams
     if not isinstance(bias, Mapping):
         raise RequestError("logit_bias must map token ids to biases")
     values["logit_bias"] = tuple(bias.items())
+    values["structured_output"] = structured_output_of(values.get("structured_output"))
     try:
         params = SamplingParams(max_new_tokens, **values)  # type: ignore[arg-type]
     except TypeError as exc:  # an option this client does not know
@@ -150,6 +154,44 @@ def make_params(max_new_tokens: int, options: SamplingOptions) -> SamplingParams
     except ValueError as exc:
         raise RequestError(str(exc)) from None
     return params
+
+
+_STRUCTURED_FIELDS = tuple(f.name for f in fields(StructuredOutput))
+
+
+def structured_output_of(given: object) -> StructuredOutput | None:
+    """``structured_output=`` as ``submit`` takes it: a ``StructuredOutput``, or a mapping of
+    its fields as vLLM's ``structured_outputs`` is written (``{"json": schema}``,
+    ``{"choice": ["yes", "no"]}``, ...). A schema may be an object (sent as its JSON text) or
+    its text; choices a list. Keys set to None are left out. ``RequestError`` names what
+    does not fit; ``validate`` checks the rest."""
+    if given is None:
+        return None
+    if isinstance(given, StructuredOutput):
+        values = {name: getattr(given, name) for name in _STRUCTURED_FIELDS}
+    elif isinstance(given, Mapping):
+        unknown = sorted(set(given) - set(_STRUCTURED_FIELDS), key=str)
+        if unknown:
+            raise RequestError(
+                f"structured_output has no field {', '.join(map(repr, unknown))}; its fields "
+                f"are {', '.join(_STRUCTURED_FIELDS)}"
+            )
+        values = dict(given)
+    else:
+        raise RequestError(
+            "structured_output must be a StructuredOutput or a mapping of its fields, got "
+            f"{type(given).__name__}"
+        )
+    values = {name: value for name, value in values.items() if value is not None}
+    schema = values.get("json")
+    if schema is not None and not isinstance(schema, str):
+        try:
+            values["json"] = json.dumps(schema)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"structured_output.json is no JSON schema: {exc}") from None
+    if isinstance(values.get("choice"), list):
+        values["choice"] = tuple(values["choice"])
+    return StructuredOutput(**values)
 
 
 def prompt_payload(prompt: object) -> str | list[int]:
