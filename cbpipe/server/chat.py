@@ -1,14 +1,13 @@
 """``POST /v1/chat/completions``: a conversation rendered by the model's chat template (in
 this process: the scheduler gets token ids), answered as one assistant message per sample,
-streaming or not; with ``tools``, the calls the reply makes (``tools.py``) as its
-``tool_calls``."""
+streaming or not; with ``tools``, the calls the reply makes (``tool_choice.py``) as its
+``tool_calls``; with structured output (``structured.py``), text that follows it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -32,8 +31,9 @@ from cbpipe.server.common import (
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
 from cbpipe.server.schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from cbpipe.server.structured import only_one, requested_constraint
 from cbpipe.server.text import Text, TextError
-from cbpipe.server.tools import StreamedReply, ToolCall, ToolCallParser
+from cbpipe.server.tool_choice import ReplyReader, StreamedPart, ToolUse, tool_use
 
 
 async def create_chat_completion(
@@ -44,6 +44,10 @@ async def create_chat_completion(
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     use = tool_use(body, state.tool_parser)
+    constraint = only_one([None if use is None else use.constraint, requested_constraint(body)])
+    names = {"max_tokens": max_tokens_name}
+    if constraint is not None:
+        names["structured_outputs"] = constraint.param
     try:
         prompt = await render_conversation(state.text, body)
     except TextError as exc:
@@ -60,14 +64,15 @@ async def create_chat_completion(
         detokenize=state.text.has_tokenizer,
         defaults=state.defaults,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        structured_output=None if constraint is None else constraint.output,
     )
     try:
         generation = Generation(state.client, state.metrics, [prompt], [limit], options)
     except Exception as exc:
-        raise from_engine(exc, max_tokens_name) from None
+        raise from_engine(exc, names) from None
     if body.stream:
-        return await _stream(generation, body, request, state, max_tokens_name, use)
-    return await _complete(generation, body, request, state, max_tokens_name, use)
+        return await _stream(generation, body, request, state, names, use)
+    return await _complete(generation, body, request, state, names, use)
 
 
 async def render_conversation(
@@ -86,51 +91,6 @@ async def render_conversation(
         continue_final_message=bool(request.continue_final_message),
         tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
     )
-
-
-@dataclass(frozen=True)
-class ToolUse:
-    """How a request's replies are read for tool calls."""
-
-    parser: ToolCallParser
-    parallel: bool  # parallel_tool_calls: false keeps a reply's first call only
-
-    def answer(
-        self, calls: list[ToolCall], finish_reason: str | None, streamed: bool
-    ) -> tuple[list[dict[str, Any]], str | None]:
-        """A reply's calls as OpenAI's ``tool_calls``, and its finish reason: a reply that
-        ended by itself ended to call."""
-        kept = calls if self.parallel else calls[:1]
-        openai = [call.as_openai(i if streamed else None) for i, call in enumerate(kept)]
-        return openai, "tool_calls" if finish_reason == "stop" else finish_reason
-
-
-def tool_use(body: ChatCompletionRequest, parser: ToolCallParser | None) -> ToolUse | None:
-    """Whether (and how) to look for tool calls in this request's replies: with ``tools``
-    and ``tool_choice`` "auto" (the default with tools), on a server started to. Nothing
-    can force a call, so "required" and a named function are refused."""
-    choice = body.tool_choice
-    if not body.tools:
-        if choice is not None and choice != "none":
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return None
-    if choice == "none":
-        return None  # the template still shows the tools, as vLLM's does
-    if choice is not None and choice != "auto":
-        raise APIError(
-            400,
-            "cbpipe cannot force a tool call (it has no structured output): use tool_choice "
-            '"auto" or "none"',
-            param="tool_choice",
-        )
-    if parser is None:
-        raise APIError(
-            400,
-            '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
-            "--tool-call-parser",
-            param="tool_choice",
-        )
-    return ToolUse(parser, parallel=body.parallel_tool_calls is not False)
 
 
 def template_message(message: ChatMessage, where: str) -> dict[str, Any]:
@@ -203,10 +163,11 @@ def _result_choice(
     message: dict[str, Any] = {"role": "assistant", "content": result.text or "", "refusal": None}
     finish_reason: str | None = result.finish_reason
     if use is not None:
-        reply = use.parser.parse(result.text or "")
+        reply = use.read(result.text or "")
         if reply.calls:
             message["content"] = reply.content.strip() or None
-            message["tool_calls"], finish_reason = use.answer(reply.calls, finish_reason, False)
+            message["tool_calls"] = [call.as_openai() for call in reply.calls]
+            finish_reason = use.finish_reason(finish_reason)
     logprobs = None
     if body.logprobs:
         assert result.logprobs is not None
@@ -230,7 +191,7 @@ async def _complete(
     body: ChatCompletionRequest,
     request: Request,
     state: ServerState,
-    max_tokens_name: str,
+    names: dict[str, str],
     use: ToolUse | None,
 ) -> Response:
     async with cancelled_on_disconnect(request, generation):
@@ -239,7 +200,7 @@ async def _complete(
                 pass
             (results,) = await generation.results()
         except Exception as exc:
-            raise from_engine(exc, max_tokens_name) from None
+            raise from_engine(exc, names) from None
     response: dict[str, Any] = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
@@ -258,10 +219,10 @@ async def _stream(
     body: ChatCompletionRequest,
     request: Request,
     state: ServerState,
-    max_tokens_name: str,
+    names: dict[str, str],
     use: ToolUse | None,
 ) -> Response:
-    first, batches = await first_batch_then(generation, request, max_tokens_name)
+    first, batches = await first_batch_then(generation, request, names)
     envelope = Envelope(
         {
             "id": new_id("chatcmpl"),
@@ -284,10 +245,10 @@ def _events(
     use: ToolUse | None,
 ) -> AsyncIterator[bytes]:
     started: set[int] = set()  # samples whose role went out
-    replies: dict[int, StreamedReply] = {}  # each sample's text, read for tool calls
+    readers: dict[int, ReplyReader] = {}  # each sample's text, read for tool calls
 
     def choices_of(batch: Batch) -> Iterator[list[dict[str, Any]]]:
-        for choice in _batch_choices(text, body, batch, started, use, replies):
+        for choice in _batch_choices(text, body, batch, started, use, readers):
             yield [choice]
 
     return stream_events(generation, body.stream_options, envelope, first, batches, choices_of)
@@ -299,30 +260,30 @@ def _batch_choices(
     batch: Batch,
     started: set[int],
     use: ToolUse | None,
-    replies: dict[int, StreamedReply],
+    readers: dict[int, ReplyReader],
 ) -> list[dict[str, Any]]:
     """One chunk's choice per sample that moved: its deltas in this batch joined. A
-    sample's first chunk carries the assistant's role; with tools, the text that may be a
-    call waits, and the calls go out with the sample's last chunk."""
+    sample's first chunk carries the assistant's role; with tools, the text goes out as
+    its ``ReplyReader`` lets it, as content or calls."""
     choices = []
     for index, entry in batch.by_sample().items():
         message: dict[str, Any] = {}
         if index not in started:
             started.add(index)
             message["role"] = "assistant"
-        content, calls = entry.text, list[ToolCall]()
+        part = StreamedPart(entry.text)
         finish_reason = entry.finish_reason
         if use is not None:
-            reply = replies.setdefault(index, StreamedReply(use.parser))
-            content = reply.feed(entry.text)
+            reader = readers.setdefault(index, use.reader())
+            part = reader.feed(entry.text)
             if finish_reason is not None:
-                rest, calls = reply.finish()
-                content += rest
-        if entry.token_ids or content or "role" in message:
-            message["content"] = content
-        if calls:
-            assert use is not None
-            message["tool_calls"], finish_reason = use.answer(calls, finish_reason, True)
+                part += reader.finish()
+                if reader.made_calls:
+                    finish_reason = use.finish_reason(finish_reason)
+        if part.content or (not part.tool_calls and (entry.token_ids or "role" in message)):
+            message["content"] = part.content
+        if part.tool_calls:
+            message["tool_calls"] = part.tool_calls
         out: dict[str, Any] = {
             "index": index,
             "delta": message,

@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cbpipe.client import AsyncClient, SamplingOptions
+from cbpipe.client import AsyncClient, SamplingOptions, StructuredOutput
 from cbpipe.client.jobs import TopLogprobs
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
@@ -124,6 +124,7 @@ def sampling_options(
     defaults: SamplingDefaults | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    structured_output: StructuredOutput | None = None,
 ) -> SamplingOptions:
     """The engine's options for an OpenAI request: a field left out takes the model's
     recommended default, if any, else OpenAI's (temperature 1.0)."""
@@ -168,6 +169,8 @@ def sampling_options(
         values["logprobs"] = logprobs
     if prompt_logprobs is not None:
         values["prompt_logprobs"] = prompt_logprobs
+    if structured_output is not None:
+        values["structured_output"] = structured_output
     if request.stream_options is not None and not request.stream:
         raise APIError(
             400, "stream_options is only allowed with stream: true", param="stream_options"
@@ -242,10 +245,11 @@ async def stream_events(
 
 
 async def first_batch_then(
-    generation: Generation, request: Request, max_tokens_name: str
+    generation: Generation, request: Request, names: Mapping[str, str]
 ) -> tuple[Any, AsyncIterator[Any]]:
     """The first batch of a stream, awaited before the status line goes out so that an
-    engine's refusal is still a 400 (or 503); and the batches after it."""
+    engine's refusal is still a 400 (or 503, ``from_engine``'s ``names``); and the batches
+    after it."""
     batches = generation.batches()
     async with cancelled_on_disconnect(request, generation):
         try:
@@ -253,7 +257,7 @@ async def first_batch_then(
         except StopAsyncIteration:
             first = None
         except Exception as exc:
-            raise from_engine(exc, max_tokens_name) from None
+            raise from_engine(exc, names) from None
     return first, batches
 
 

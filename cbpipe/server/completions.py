@@ -35,6 +35,7 @@ from cbpipe.server.common import (
 from cbpipe.server.errors import APIError, from_engine
 from cbpipe.server.generation import Batch, Generation
 from cbpipe.server.schemas import CompletionRequest
+from cbpipe.server.structured import requested_constraint
 from cbpipe.server.text import Text, TextError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
@@ -64,12 +65,15 @@ async def create_completion(
         _prompts, items, state.text, bool(body.add_special_tokens)
     )
     logprobs = body.logprobs
+    constraint = requested_constraint(body)
+    names = {} if constraint is None else {"structured_outputs": constraint.param}
     options = sampling_options(
         body,
         detokenize=state.text.has_tokenizer,
         defaults=state.defaults,
         logprobs=logprobs,
         prompt_logprobs=logprobs if body.echo and logprobs is not None else None,
+        structured_output=None if constraint is None else constraint.output,
     )
     scoring = body.max_tokens == 0
     if scoring and not body.echo:
@@ -87,8 +91,8 @@ async def create_completion(
             state.client, state.metrics, prompts, limits, options, keep_outputs=not scoring
         )
     except Exception as exc:
-        raise from_engine(exc) from None
-    format = _Format(state.text, body, prompts, texts, n)
+        raise from_engine(exc, names) from None
+    format = _Format(state.text, body, prompts, texts, n, names)
     if body.stream:
         return await _stream(generation, format, request, state)
     return await _complete(generation, format, request, state)
@@ -137,6 +141,7 @@ class _Format:
     prompts: list[list[int]]
     prompt_texts: list[str | None]
     n: int
+    names: dict[str, str]  # the request's names of engine parameters (``from_engine``)
     offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
 
     def prompt_text(self, prompt_index: int) -> str:
@@ -225,7 +230,7 @@ async def _complete(
                 pass
             results = await generation.results()
         except Exception as exc:
-            raise from_engine(exc) from None
+            raise from_engine(exc, format.names) from None
     choices = [format.result_choice(p, r) for p, rs in enumerate(results) for r in rs]
     return JSONResponse(
         {
@@ -242,7 +247,7 @@ async def _complete(
 async def _stream(
     generation: Generation, format: _Format, request: Request, state: ServerState
 ) -> Response:
-    first, batches = await first_batch_then(generation, request, "max_tokens")
+    first, batches = await first_batch_then(generation, request, format.names)
     envelope = Envelope(
         {
             "id": new_id("cmpl"),

@@ -5,6 +5,7 @@ that says what went wrong (400 bad request, 401 no or wrong key, 404 unknown mod
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -78,13 +79,16 @@ class APIError(Exception):
         return f"data: {json.dumps(self.body())}\n\n".encode()
 
 
-def from_engine(error: Exception, max_tokens_name: str = "max_tokens") -> APIError:
-    """The reply for what a job raised: the engine refused it (400) or is gone (503)."""
+def from_engine(error: Exception, names: Mapping[str, str] | None = None) -> APIError:
+    """The reply for what a job raised: the engine refused it (400) or is gone (503).
+    ``names``: the request's own spelling of a parameter that has several
+    (``max_completion_tokens`` for ``max_tokens``, the field that asked for the
+    ``structured_outputs``)."""
     if isinstance(error, RequestError):
         message = str(error)
         param = _param_of(message)
-        if param == "max_tokens":
-            param = max_tokens_name
+        if param is not None and names:
+            param = names.get(param, param)
         return APIError(400, message, param=param)
     if isinstance(error, EngineBusy):
         return APIError(503, f"the engine is busy, retry later: {error}", code="engine_busy")
@@ -94,6 +98,10 @@ def from_engine(error: Exception, max_tokens_name: str = "max_tokens") -> APIErr
 
 
 def _param_of(message: str) -> str | None:
+    # The engine's refusals of a constraint say "invalid structured_output.regex: ..." and
+    # the like, or that it has no structured output at all.
+    if "structured_output" in message or "structured output" in message:
+        return "structured_outputs"
     for engine_name, http_name in ENGINE_TO_HTTP_NAMES.items():
         if message.startswith(engine_name + " "):
             return http_name

@@ -34,6 +34,8 @@ UNION_TYPES = {
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "json": "a JSON schema: an object, or its JSON text",
+    "guided_json": "a JSON schema: an object, or its JSON text",
 }
 
 
@@ -86,6 +88,36 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``; ``strict`` changes nothing: the output
+    always follows the schema (it is the grammar the engine samples in)."""
+
+    name: str
+    description: str | None = None
+    # "schema" would shadow BaseModel.schema: the field is named apart, the JSON key is kept.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # with type "json_schema" only
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: one constraint of ``StructuredOutput``'s, and how JSON
+    may be spaced."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a schema, or its text
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # a Lark grammar, in llguidance's dialect
+    disable_any_whitespace: bool | None = None
+
+
 class _SamplingFields(_Strict):
     """What completions and chat requests share: OpenAI's sampling fields, then vLLM's."""
 
@@ -111,6 +143,13 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None  # token ids beside the text (and without a tokenizer)
     cache_salt: str | None = None  # shares cached prompt blocks only with the same salt
+    # Structured output (``structured.py``): OpenAI's field, vLLM's, and vLLM's older names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted and ignored: IGNORED_FIELDS.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -190,10 +229,6 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]  # structured output is not supported
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -202,9 +237,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    # "required" and a named function are 400s: nothing can force a call (no structured output)
+    # "required" and a named function force calls through structured output (``tool_choice.py``)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's extensions for the chat template

@@ -5,8 +5,8 @@ A parser splits a reply into the content outside the calls and the calls. Stream
 content goes out as it comes except what may be the start of a call (``split``); the
 calls go out whole once the sample is over, so a reply that only looked like a call
 (malformed JSON, a cut-off) is sent as the text it is. Nothing constrains what the model
-writes: cbpipe has no structured output, so a call can be asked for (``tool_choice``
-"auto") but not forced.
+writes here (``tool_choice`` "auto"); ``tool_choice.py`` forces calls (a named function,
+"required") through structured output, and reads them without a parser.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ToolCallParser:
         raise NotImplementedError
 
 
-def _call(obj: object, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+def call_of(obj: object, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     """A call from a decoded JSON object ``{"name": ..., "<arguments key>": {...}}``."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -104,7 +104,7 @@ class HermesParser(ToolCallParser):
     @staticmethod
     def _decode(body: str) -> ToolCall | None:
         try:
-            return _call(json.loads(body), ("arguments", "parameters"))
+            return call_of(json.loads(body), ("arguments", "parameters"))
         except json.JSONDecodeError:
             return None
 
@@ -126,7 +126,7 @@ class Llama3JsonParser(ToolCallParser):
                 obj, at = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return ParsedReply(text, [])
-            call = _call(obj, ("parameters", "arguments"))
+            call = call_of(obj, ("parameters", "arguments"))
             if call is None:
                 return ParsedReply(text, [])
             calls.append(call)

@@ -584,7 +584,7 @@ def test_bad_completion_requests_are_400s(
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
           "function": {"name": "f"}}]}, "tool_choice"),  # no --enable-auto-tool-choice
         ({"messages": [{"role": "user", "content": "x"}],
-          "response_format": {"type": "json_object"}}, "response_format.type"),
+          "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),

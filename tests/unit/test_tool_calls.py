@@ -1,4 +1,5 @@
-"""Tool calls found in a chat reply, whole and as it streams."""
+"""Tool calls found in a chat reply, whole and as it streams: the parsers of "auto" tool
+choice, and the array of calls a "required" one forces."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import pytest
 
+from cbpipe.server.tool_choice import CallArray
 from cbpipe.server.tools import (
     HermesParser,
     Llama3JsonParser,
@@ -92,3 +94,36 @@ def test_calls_in_openai_shape() -> None:
     assert call["index"] == 0 and call["type"] == "function"
     assert call["id"].startswith("chatcmpl-tool-") and call["id"] != WEATHER.as_openai()["id"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
+
+
+ARRAY = (
+    '[ {"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}},'
+    '{"name": "get_time", "parameters": {"zone": "CET"}} ]'
+)
+
+
+def test_a_required_array_gives_each_call_when_its_object_closes() -> None:
+    assert CallArray().feed(ARRAY) == [WEATHER, TIME]
+    # One character at a time: each call comes with the brace that closes its object.
+    array = CallArray()
+    found = [(i, calls) for i, char in enumerate(ARRAY) if (calls := array.feed(char))]
+    first_end = ARRAY.index("}},") + 1
+    assert found == [(first_end, [WEATHER]), (len(ARRAY) - 3, [TIME])]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Brackets, braces, quotes and backslashes inside strings are text.
+        ('[{"name": "f", "parameters": {"s": "}]{[\\"\\\\"}}]',
+         [ToolCall("f", json.dumps({"s": '}]{["\\'}))]),
+        ('[{"name": "f"}]', [ToolCall("f", "{}")]),  # no parameters: none
+        ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b',
+         [ToolCall("f", '{"a": 1}')]),  # cut off: the calls that closed
+        ('[{"parameters": {}}, {"name": "g", "parameters": []}]', []),  # not calls
+        ("[]", []),
+        ("", []),
+    ],
+)  # fmt: skip
+def test_required_arrays(text: str, expected: list[ToolCall]) -> None:
+    assert CallArray().feed(text) == expected
