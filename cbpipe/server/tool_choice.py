@@ -121,6 +121,7 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
                 )
         calls.append(
             {
+                "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [tool.function.name]},
                     "parameters": parameters,

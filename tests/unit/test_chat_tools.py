@@ -236,6 +236,8 @@ def test_required_forces_an_array_of_calls_of_the_tools(text: Text) -> None:
         {"type": "string", "enum": ["get_time"]},
     ]
     assert [o["properties"]["parameters"] for o in options] == [CITY, TIME["parameters"]]
+    # Each an object: without "type", JSON Schema lets any non-object through (true, 0).
+    assert all(o["type"] == "object" for o in options)
     assert all(o["required"] == ["name", "parameters"] for o in options)
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
