@@ -195,10 +195,12 @@ def plan_layout(config: EngineConfig) -> SlotLayout:
     """Slot capacities from the engine limits and the (resolved) maximum length."""
     assert config.model.max_model_len is not None, "resolve_limits first"
     block_size = config.cache.block_size
+    source = resolve_model(config.model.model, config.model.revision)
     limits = SlotLimits(
         max_tokens=config.scheduler.batch_tokens_capacity,  # the worker picks the budget
         max_seqs=config.scheduler.max_num_seqs,
         max_blocks_per_seq=-(-config.model.max_model_len // block_size),
+        vocab_size=int(source.config.get_text_config().vocab_size),
     )
     # One slot per step in flight (the scheduler writes a slot only once its last step is
     # back), and two at least: the layout double-buffers.

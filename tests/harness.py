@@ -26,6 +26,7 @@ from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
+from cbpipe.scheduler.structured import Grammars
 from cbpipe.worker import attention
 from cbpipe.worker.blas import BlasLibrary, use_blas_library
 from cbpipe.worker.cuda_graphs import bucket_sizes
@@ -129,14 +130,19 @@ class InProcessEngine:
     saved_traces: SavedTraces | None = None
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
+    _grammars: Grammars | None = None
 
     def __post_init__(self) -> None:
         use_blas_library(self.blas_library, self.device)
         model, paged = paged_model(
             self.model_name, self.device, self.dtype, self.fuse_projections, self.max_model_len
         )
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
         limits = SlotLimits(
-            self.max_batch_tokens, self.max_num_seqs, -(-self.max_model_len // self.block_size)
+            self.max_batch_tokens,
+            self.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            vocab_size=self.vocab_size,
         )
         self.layout = SlotLayout.build(limits, num_slots=self.steps_in_flight)
         # Page-aligned, like a shared-memory segment, so CUDA can register it.
@@ -170,8 +176,23 @@ class InProcessEngine:
     def close(self) -> None:
         self.runner.close()
 
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler for the model's tokenizer, as the scheduler has it."""
+        if self._grammars is None:
+            from transformers import AutoTokenizer
+
+            source = resolve_model(self.model_name)
+            assert source.tokenizer_path is not None, f"{self.model_name} has no tokenizer"
+            tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
+            self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         self._next_id += 1
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammars.follow(self.grammars.compile(params.structured_output))
         req = Request(
             request_id=self._next_id,
             prompt_token_ids=list(prompt),
@@ -179,6 +200,7 @@ class InProcessEngine:
             seed=params.seed if params.seed is not None else self._next_id,
             max_total_tokens=min(self.max_model_len, self.num_blocks * self.block_size),
             eos_token_ids=self.eos_token_ids,
+            grammar=grammar,
         )
         self.scheduler.add_request(req)
         return req

@@ -26,7 +26,7 @@ from cbpipe.protocol.messages import (
     decode,
     encode,
 )
-from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.protocol.sampling import SamplingParams, StructuredOutput
 from cbpipe.protocol.slots import SlotLayout, SlotLimits, numpy_views
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "ProtocolError",
     "SamplingMode",
     "SamplingParams",
+    "StructuredOutput",
     "Shutdown",
     "SlotLayout",
     "SlotLimits",

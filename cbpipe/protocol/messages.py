@@ -241,6 +241,8 @@ class Step(Message):
     top_logprobs: bool
     prompt_logprobs: bool
     num_bias_entries: int  # logit-bias entries in the slot's extras, applied before sampling
+    # Structured output's token masks in the slot's extras, applied before the bias entries.
+    num_token_masks: int = 0
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ dataclass below whose fields describe its arrays (dtype, capacity, meaning):
   transfer of its used prefix (``block_tables`` comes last and is packed with a per-step row
   width, so a step copies only ``input_nbytes_used(...)`` bytes);
 - ``StepExtras``, written by the scheduler only for steps that need them (logit-bias entries,
-  prompt log-probability targets) and copied only then, each field up to what the step uses;
+  structured output's token masks, prompt log-probability targets) and copied only then,
+  each field up to what the step uses;
 - ``StepOutputs``, written device-to-host by the worker as one range, read by the scheduler.
   Its fields come in groups (``OUTPUT_GROUPS``) ordered so that what a step asks for is
   always a prefix: the sampled ids, then top alternatives, then prompt log-probabilities.
@@ -53,11 +54,20 @@ class SlotLimits:
     max_tokens: int  # tokens per step (prefill chunks + decode rows)
     max_seqs: int  # sequences per step
     max_blocks_per_seq: int  # KV blocks a sequence can hold (max_model_len / block_size)
+    # Tokens a structured-output mask covers (the model's vocabulary); 0: no room for masks.
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_seqs", "max_blocks_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SlotLimits.{name} must be >= 1")
+        if self.vocab_size < 0:
+            raise ValueError("SlotLimits.vocab_size must be >= 0")
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one token mask: a bit per token of the vocabulary."""
+        return -(-self.vocab_size // 32)
 
 
 @dataclass(frozen=True)
@@ -179,6 +189,18 @@ class StepExtras(Generic[A]):
         "int64",
         _per_token,
         "the token that follows each row's, for rows of sequences with prompt_logprobs",
+    )
+    mask_seqs: A = _slot_field(
+        "int32",
+        _per_seq,
+        "sequence index of each token mask; masks [0, Step.num_token_masks) are set, and "
+        "applied before the logit-bias entries",
+    )
+    token_masks: A = _slot_field(
+        "int32",
+        lambda lim: lim.max_seqs * lim.mask_words,
+        "row-major [num_token_masks, mask_words] bits: token t may be sampled where bit t % 32 "
+        "of word t // 32 is set (llguidance's layout); the row's bias is -inf elsewhere",
     )
 
 

@@ -209,8 +209,10 @@ class Scheduler:
                 continue
             if num_to_compute == 1 and num_computed > 0 and num_tokens >= req.max_num_tokens:
                 continue  # decoding: it would only sample a token the length limits forbid
-            if num_pending and req.pending_step != step - 1:
-                continue  # left out of the last step: its token is not there to carry over
+            if num_pending and (req.pending_step != step - 1 or req.grammar is not None):
+                # Left out of the last step: its token is not there to carry over. A
+                # constrained request's mask needs the token itself (``structured.py``).
+                continue
             num_new = num_to_compute if num_to_compute <= budget else budget
             if num_computed + num_new > len(req.block_ids) * block_size and not (
                 self._reserve_blocks(req, num_new, preempted)
@@ -359,6 +361,8 @@ class Scheduler:
         num_to_compute = req.num_tokens_to_compute
         if num_to_compute <= 0:
             return False
+        if req.num_pending_tokens and req.grammar is not None:
+            return False  # its next mask waits for the token in flight
         # Every token is computed but the last; computing it would only sample a token that
         # the length limits already forbid.
         decoding = num_to_compute == 1 and req.num_computed_tokens > 0

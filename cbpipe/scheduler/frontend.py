@@ -50,6 +50,7 @@ from cbpipe.protocol.slots import MAX_EOS_TOKEN_IDS
 from cbpipe.scheduler.core import RequestUpdate, Scheduler
 from cbpipe.scheduler.prompts import PromptTokenizer, PromptTooLong
 from cbpipe.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from cbpipe.scheduler.structured import Grammars, TokenGrammar
 from cbpipe.scheduler.text import Detokenizer, SampleText
 
 log = logging.getLogger("cbpipe.scheduler")
@@ -104,7 +105,9 @@ class Frontend:
         *,
         max_waiting_requests: int = 65536,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        grammars: Grammars | str | None = None,
     ) -> None:
+        """``grammars``: structured output's compiler, or why this engine has none."""
         self.socket = socket
         self.max_frame_bytes = max_frame_bytes
         self.scheduler = scheduler
@@ -115,6 +118,7 @@ class Frontend:
             PromptTokenizer(tokenizer, model.max_total_tokens) if tokenizer is not None else None
         )
         self.max_waiting_requests = max_waiting_requests
+        self.grammars = grammars
         self.failure: str | None = None  # set once the engine cannot serve any more
         self._jobs: dict[Origin, Job] = {}
         self._tokenizing: dict[Origin, Submit] = {}  # text prompts on the tokenizer thread
@@ -306,6 +310,8 @@ class Frontend:
             raise RequestRejected(
                 f"model {self.model.name} has no tokenizer: stop strings cannot be matched"
             )
+        if params.structured_output is not None and not isinstance(self.grammars, Grammars):
+            raise RequestRejected(self.grammars or "this engine has no structured output")
 
     def _too_long(self, num_tokens: int) -> str:
         return (
@@ -322,6 +328,7 @@ class Frontend:
         if len(prompt) >= limit:
             raise RequestRejected(self._too_long(len(prompt)))
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
+        grammars = self._sample_grammars(params)
         reqs = []
         for index in range(params.n):
             # The prompt's log-probabilities are the same for every sample: one computes them.
@@ -336,9 +343,22 @@ class Frontend:
                     max_total_tokens=limit,
                     eos_token_ids=self.model.eos_token_ids,
                     sample_index=index,
+                    grammar=grammars[index],
                 )
             )
         return reqs
+
+    def _sample_grammars(self, params: SamplingParams) -> list[TokenGrammar | None]:
+        """Each sample's matcher of the job's constraint, compiled once; Nones without one."""
+        spec = params.structured_output
+        if spec is None:
+            return [None] * params.n
+        assert isinstance(self.grammars, Grammars)  # _check_params
+        try:
+            grammar = self.grammars.compile(spec)
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
+        return [self.grammars.follow(grammar) for _ in range(params.n)]
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model.vocab_size

@@ -21,6 +21,7 @@ from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import SlotLayout, SlotViews, StepInputs, numpy_views
 from cbpipe.scheduler.core import ScheduledSeq, StepOutput, StepPlan
 from cbpipe.scheduler.request import Request
+from cbpipe.scheduler.structured import TokenGrammar, fill_masks
 
 _MODE_RANK = {SamplingMode.GREEDY: 0, SamplingMode.RANDOM: 1, SamplingMode.FULL: 2}
 _MODES = sorted(_MODE_RANK, key=_MODE_RANK.__getitem__)
@@ -62,6 +63,7 @@ class SamplingTable:
     mode_rank: np.ndarray  # the sampler the request needs, ranked as ``_MODE_RANK``
     top_logprobs: np.ndarray  # the request asks for top alternatives
     bias_state: np.ndarray  # the request has logit-bias entries or a min_tokens ban
+    structured: np.ndarray  # the request's outputs follow a grammar: a mask where it samples
     prompt_logprobs: np.ndarray  # the request asks for prompt log-probabilities
 
     @classmethod
@@ -82,6 +84,7 @@ class SamplingTable:
             mode_rank=column(np.int8),
             top_logprobs=column(np.bool_),
             bias_state=column(np.bool_),
+            structured=column(np.bool_),
             prompt_logprobs=column(np.bool_),
         )
 
@@ -99,7 +102,10 @@ class SamplingTable:
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.mode_rank[row] = _MODE_RANK[req.sampling_mode]
         self.top_logprobs[row] = bool(p.logprobs)
-        self.bias_state[row] = bool(p.logit_bias) or p.min_tokens > 0
+        self.structured[row] = req.grammar is not None
+        # A constrained request's entries go with its masks, which rewrite its row.
+        has_entries = bool(p.logit_bias) or p.min_tokens > 0
+        self.bias_state[row] = has_entries and req.grammar is None
         self.prompt_logprobs[row] = req.prompt_logprobs is not None
 
 
@@ -166,9 +172,13 @@ class BatchPacker:
             inputs, columns, starts, rows, plan.block_tables, plan.assigned
         )
         mode = _MODES[int(self.table.mode_rank[rows].max())]
-        num_bias_entries = 0
+        num_bias_entries = num_token_masks = 0
         if mode is SamplingMode.FULL and self.table.bias_state[rows].any():
             num_bias_entries = self._pack_bias_entries(views, seqs, rows)
+        if mode is SamplingMode.FULL and self.table.structured[rows].any():
+            num_token_masks, num_bias_entries = self._pack_token_masks(
+                views, seqs, rows, num_bias_entries
+            )
         prompt_logprobs = any(columns.prompt_logprobs[num_decodes:])
         if self.table.prompt_logprobs[rows[:num_decodes]].any():
             # A prompt chunk of one row sits among the decodes (a budget left at one token).
@@ -189,6 +199,7 @@ class BatchPacker:
             top_logprobs=bool(self.table.top_logprobs[rows].any()),
             prompt_logprobs=prompt_logprobs,
             num_bias_entries=num_bias_entries,
+            num_token_masks=num_token_masks,
         )
 
     def read_output(self, slot: int, step: Step) -> StepOutput:
@@ -327,6 +338,29 @@ class BatchPacker:
             count = end
         return count
 
+    def _pack_token_masks(
+        self, views: SlotViews[np.ndarray], seqs: list[ScheduledSeq], rows: np.ndarray, count: int
+    ) -> tuple[int, int]:
+        """The masks of the constrained sequences that sample in this step, and after their
+        bias entries (from ``count`` on); returns the numbers of masks and of entries."""
+        structured = np.flatnonzero(self.table.structured[rows]).tolist()
+        sampling = [index for index in structured if seqs[index].samples]
+        if not sampling:
+            return 0, count
+        extras, words = views.extras, self.layout.limits.mask_words
+        n = len(sampling)
+        extras.mask_seqs[:n] = sampling
+        masks = extras.token_masks[: n * words].reshape(n, words)
+        fill_masks([_grammar_of(seqs[index].req) for index in sampling], masks)
+        for mask, index in zip(masks, sampling, strict=True):
+            entries = _masked_bias_entries(seqs[index], mask)
+            end = count + len(entries)
+            extras.bias_rows[count:end] = rows[index]
+            extras.bias_token_ids[count:end] = [token for token, _ in entries]
+            extras.bias_values[count:end] = [value for _, value in entries]
+            count = end
+        return n, count
+
 
 def _bias_entries(seq: ScheduledSeq, resets_row: bool) -> list[tuple[int, float]]:
     req, params = seq.req, seq.req.params
@@ -339,3 +373,27 @@ def _bias_entries(seq: ScheduledSeq, resets_row: bool) -> list[tuple[int, float]
         bias = dict(params.logit_bias)
         entries.extend((token, bias.get(token, 0.0)) for token in req.banned_until_min_tokens)
     return entries
+
+
+def _masked_bias_entries(seq: ScheduledSeq, mask: np.ndarray) -> list[tuple[int, float]]:
+    """A constrained sequence's bias entries under its step's mask, which has just reset its
+    row: its logit_bias where the mask allows the token, and the ban of its ending tokens
+    while short of min_tokens, unless the grammar allows nothing else (the grammar wins)."""
+    req, params = seq.req, seq.req.params
+
+    def allowed(token: int) -> bool:
+        word = token >> 5
+        return word < len(mask) and bool((int(mask[word]) >> (token & 31)) & 1)
+
+    entries = [(token, value) for token, value in params.logit_bias if allowed(token)]
+    if seq.output_index < params.min_tokens:
+        banned = [token for token in req.banned_until_min_tokens if allowed(token)]
+        num_allowed = int(np.unpackbits(mask.view(np.uint8)).sum())
+        if banned and num_allowed > len(banned):
+            entries.extend((token, float("-inf")) for token in banned)
+    return entries
+
+
+def _grammar_of(req: Request) -> TokenGrammar:
+    assert req.grammar is not None, "a structured table row belongs to a constrained request"
+    return req.grammar

@@ -9,6 +9,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
+from typing import Any
 
 import zmq
 import zmq.utils.monitor
@@ -26,6 +27,7 @@ from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
 from cbpipe.scheduler.loop import EngineLoop, Liveness, WorkerLost, worker_frame
 from cbpipe.scheduler.packer import BatchPacker
+from cbpipe.scheduler.structured import Grammars
 from cbpipe.trace import write_chrome_trace
 
 log = logging.getLogger("cbpipe.scheduler")
@@ -199,6 +201,18 @@ class _AllowKey:
         return allowed
 
 
+def _grammars(tokenizer: Any | None, model: ModelInfo, mask_tokens: int) -> Grammars | str:
+    """Structured output's compiler, or why this engine cannot constrain outputs."""
+    if tokenizer is None:
+        return f"model {model.name} has no tokenizer: structured output needs one"
+    if mask_tokens != model.vocab_size:  # the slots' masks are sized from the model's config
+        return (
+            f"the slots' token masks cover {mask_tokens} tokens, the model has "
+            f"{model.vocab_size}: structured output is off"
+        )
+    return Grammars(tokenizer, model.vocab_size, model.eos_token_ids)
+
+
 def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> EngineLoop:
     config = spec.config
     hello = _wait_for_workers(
@@ -238,6 +252,7 @@ def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> E
         tokenizer,
         max_waiting_requests=config.scheduler.max_waiting_requests,
         max_frame_bytes=frame_limit(max_model_len),
+        grammars=_grammars(tokenizer, model, spec.layout.limits.vocab_size),
     )
     log.info(
         "serving %s (%s on %s), %d KV blocks, %d tokens a step",

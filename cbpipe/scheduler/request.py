@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cbpipe.protocol.messages import SamplingMode
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.scheduler.block_hashes import chain_hashes
+
+if TYPE_CHECKING:
+    from cbpipe.scheduler.structured import TokenGrammar
+
+log = logging.getLogger(__name__)
 
 NEVER = 1 << 62  # a token count no request reaches
 
@@ -96,6 +103,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     publish_at: int = 0  # tokens, known and computed, that complete its next block
+    # Structured output: where its outputs are in its constraint's grammar. The scheduler
+    # plans its sampling rows only once its last token is known, to compute their mask.
+    grammar: TokenGrammar | None = None
 
     def __post_init__(self) -> None:
         # Prompt plus outputs, counted rather than measured: the scheduler reads it several
@@ -202,6 +212,17 @@ class Request:
             at_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
             self.stop_reason = None if at_eos else token_id
             return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):  # the mask allowed only what it accepts
+                log.error(
+                    "request %d: structured output's grammar refused token %d: %s",
+                    self.request_id,
+                    token_id,
+                    self.grammar.error,
+                )
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.is_complete:  # nothing may follow: the text is a whole match
+                return RequestStatus.FINISHED_STOPPED
         if self.num_known_tokens >= self.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

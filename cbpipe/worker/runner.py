@@ -535,6 +535,8 @@ class StepRunner:
             )
         if step.top_logprobs and step.sampling is not SamplingMode.FULL:
             raise RuntimeError(f"step {step.step} asks for top alternatives outside FULL mode")
+        if step.num_token_masks and step.sampling is not SamplingMode.FULL:
+            raise RuntimeError(f"step {step.step} has token masks outside FULL mode")
         self._last_slot = step.slot
         facts = self._step_facts(step, slot)
         graph = self.graphs.find(step, truncation=facts.truncation)
@@ -602,6 +604,9 @@ class StepRunner:
         if step.num_bias_entries:
             for name in ("bias_rows", "bias_token_ids", "bias_values"):
                 counts[name] = step.num_bias_entries
+        if step.num_token_masks:
+            counts["mask_seqs"] = step.num_token_masks
+            counts["token_masks"] = step.num_token_masks * self.layout.limits.mask_words
         if step.prompt_logprobs:
             counts["prompt_targets"] = step.num_tokens
         extras_start = self.layout.region("extras")[0]
@@ -640,14 +645,20 @@ class StepRunner:
 
     def _prepare_state(self, step: Step, slot: SlotBuffers, num_restarts: int) -> None:
         """Before any step: clear the rows of the sequences that took them in this step, then
-        apply the step's logit-bias entries (a FULL step's: only requests that sample FULL
-        have any; ``sampling_state``). Eager and sized by host integers, also before a graph
-        replay: a step with either is rare (sequences start in prefill steps, mostly)."""
+        apply the step's structured-output masks and logit-bias entries (a FULL step's: only
+        requests that sample FULL have any; ``sampling_state``). Eager and sized by host
+        integers, also before a graph replay: a step with restarts is rare (sequences start in
+        prefill steps, mostly), one with masks holds a request that asked for them."""
         inputs, s = slot.inputs, step.num_seqs
         if num_restarts:
             restarts = inputs.resets_row[:s].to(torch.int8)
             order = torch.sort(restarts, descending=True, stable=True).indices[:num_restarts]
             self.state.reset(inputs.request_row[:s][order].long())
+        if step.num_token_masks:
+            n, extras = step.num_token_masks, slot.extras
+            words = self.layout.limits.mask_words
+            rows = inputs.request_row[:s][extras.mask_seqs[:n].long()]
+            self.state.apply_masks(rows, extras.token_masks[: n * words].view(n, words))
         if step.num_bias_entries:
             n, extras = step.num_bias_entries, slot.extras
             self.state.apply_bias(

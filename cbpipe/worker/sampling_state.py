@@ -29,21 +29,25 @@ step, on the compute stream, in this order:
    new, or resumed after a preemption; from position 0, or after a cached prefix, whose rows
    are never counted: requests that need the counts or the bias read no cached blocks), in
    every step, FULL or not;
-2. ``apply_bias``: the step's logit-bias entries, in order (the last entry for a (row, token)
+2. ``apply_masks``: each structured-output mask of the step rewrites its row's bias whole:
+   0 where the mask allows a token, ``-inf`` elsewhere (the scheduler sends a mask, and the
+   row's logit-bias entries after it, in every step in which such a request samples, so
+   nothing of an earlier step's mask remains);
+3. ``apply_bias``: the step's logit-bias entries, in order (the last entry for a (row, token)
    wins);
-3. ``count_inputs``: each row of the step whose position is at or past its row's
+4. ``count_inputs``: each row of the step whose position is at or past its row's
    ``num_counted`` is a token the row has not seen yet: it is marked seen and, at or past the
    prompt's length (an output recomputed after a preemption), counted as an output;
-4. the logits are processed and sampled (``sampler.sample_full``);
-5. ``count_sampled``: each sequence that samples (its rows reach the end of its tokens,
+5. the logits are processed and sampled (``sampler.sample_full``);
+6. ``count_sampled``: each sequence that samples (its rows reach the end of its tokens,
    ``context_len == num_prompt_tokens + output_index``) counts its sampled token, and
    ``num_counted`` moves past it.
 
 Why the counts are right:
 
 - Steps run in launch order on one compute stream, and each step's sampled token is counted
-  (5) before the next step runs; the decode row that carries that token over (an input the
-  scheduler has not even seen yet) sits at position ``num_counted - 1``, so (3) skips it. With
+  (6) before the next step runs; the decode row that carries that token over (an input the
+  scheduler has not even seen yet) sits at position ``num_counted - 1``, so (4) skips it. With
   three steps in flight nothing changes: the device never waits for the scheduler, and the
   order of the updates is the order of the tokens.
 - A row's input at a position not yet counted is a token the row has not counted since its
@@ -54,7 +58,7 @@ Why the counts are right:
   in flight updates its old row in those steps; whoever takes that row next takes it in a
   later step, which resets the row first. A preempted request resumes, in a step planned
   after the preemption, in whichever row it gets, and resets it.
-- A sequence that does not sample (a prompt chunk before the last) counts its rows in (3)
+- A sequence that does not sample (a prompt chunk before the last) counts its rows in (4)
   but not the token sampled from its last row, which nobody reads.
 - Padding rows of a graph bucket, and bias entries past the step's count, go to the spare
   row, which no request owns and whose values no one reads.
@@ -102,6 +106,22 @@ class SamplingState:
         for table in (self.output_counts, self.seen, self.bias):
             table.index_fill_(0, rows, 0)
         self.num_counted.index_fill_(0, rows, 0)
+
+    def apply_masks(
+        self,
+        rows: torch.Tensor,  # [n] request rows, any integer dtype
+        masks: torch.Tensor,  # [n, words] int32: bit t % 32 of word t // 32 allows token t
+    ) -> None:
+        """Set each row's bias to 0 where its mask allows a token and ``-inf`` elsewhere;
+        tokens past the mask's bits (a head wider than the vocabulary) are banned."""
+        n, words = masks.shape
+        shifts = torch.arange(32, device=masks.device, dtype=torch.int32)
+        bits = (masks[:, :, None] >> shifts) & 1  # [n, words, 32]
+        width = min(words * 32, self.vocab)
+        allowed = torch.zeros(n, self.vocab, dtype=torch.bool, device=masks.device)
+        allowed[:, :width] = bits.view(n, words * 32)[:, :width].bool()
+        banned = torch.full_like(allowed, float("-inf"), dtype=self.bias.dtype)
+        self.bias.index_copy_(0, rows.long(), banned.masked_fill_(allowed, 0.0))
 
     def apply_bias(
         self,

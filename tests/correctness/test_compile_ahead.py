@@ -133,12 +133,15 @@ _RUN = textwrap.dedent(
     assert ahead is not None
     assert cache_is_cold()
     max_num_seqs, max_batch_tokens, max_model_len, block_size = 6, 64, 1024, 16
-    limits = SlotLimits(max_batch_tokens, max_num_seqs, -(-max_model_len // block_size))
+    vocab = resolve_model("default").config.vocab_size
+    limits = SlotLimits(
+        max_batch_tokens, max_num_seqs, -(-max_model_len // block_size), vocab_size=vocab
+    )
     job = CompileJob(
         variants=(RANDOM,),
         limits=limits,
         num_slots=3,  # as InProcessEngine lays its slots out
-        vocab=resolve_model("default").config.vocab_size,
+        vocab=vocab,
         logits_dtype="float32",
         device="cpu",
         first_batch=tuning_batch(compiled_bucket_sizes(bucket_sizes(max_num_seqs))),

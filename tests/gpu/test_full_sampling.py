@@ -121,6 +121,42 @@ def test_greedy_penalties_match_generate_on_cuda() -> None:
         assert output == expected, f"prompt of {len(prompt)} tokens, {sp}"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["graphs", "compiled"])
+def test_constrained_requests_on_cuda_sample_what_the_cpu_engine_does(compiled: bool) -> None:
+    """Structured output's masks rewrite state rows before FULL steps, eager and replayed:
+    the embedded model's constrained and unconstrained requests, in an asynchronous pipeline
+    on CUDA, give the tokens the CPU engine gives (``test_structured_output.py`` checks those
+    against ``generate``), and a step with masks never waits on the device."""
+    from tests.correctness.test_structured_output import EOS, MODEL, _workload
+
+    cpu = InProcessEngine(MODEL, eos_token_ids=EOS, max_num_seqs=8, max_batch_tokens=64)
+    cases = _workload(random.Random(5), cpu.vocab_size)
+    prompts, params = [p for p, _ in cases], [sp for _, sp in cases]
+    expected = cpu.generate(prompts, params, mode="sync")
+    engine = InProcessEngine(
+        MODEL,
+        device=CUDA,
+        eos_token_ids=EOS,
+        max_num_seqs=8,
+        max_batch_tokens=64,
+        compile_decode=compiled,
+    )
+    try:
+        assert engine.generate(prompts, params, mode="async") == expected
+        engine.add([5, 6, 7], params[0])
+        step = engine.packer.pack(engine.scheduler.schedule(), 0, None)
+        assert step.num_token_masks == 1
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = engine.runner.launch(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.wait()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("batch", [32, 256])
 def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does(
     batch: int,

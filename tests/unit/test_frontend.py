@@ -317,3 +317,36 @@ def test_a_gone_clients_jobs_are_cancelled_when_a_send_to_it_fails() -> None:
     assert len(scheduler.requests) == 2  # found out while streaming; cancelled after
     frontend.cancel_gone_clients()
     assert scheduler.is_idle and scheduler.blocks.num_free_blocks == 64
+
+
+def test_structured_output_is_compiled_per_job_and_followed_per_sample() -> None:
+    from cbpipe.protocol.sampling import StructuredOutput
+    from cbpipe.scheduler.structured import Grammars
+
+    frontend, socket = make_frontend(with_tokenizer=True)
+    frontend.grammars = Grammars(tokenizer(), 2048, {EOS})
+    submit(frontend, socket, 1, [5, 6], max_new_tokens=4, n=2,
+           structured_output=StructuredOutput(regex="[0-9]+"))  # fmt: skip
+    reqs = list(frontend.scheduler.requests.values())
+    assert len(reqs) == 2 and all(r.grammar is not None for r in reqs)
+    assert reqs[0].grammar is not reqs[1].grammar  # each sample walks the grammar alone
+    submit(frontend, socket, 2, [5], max_new_tokens=4,
+           structured_output=StructuredOutput(regex="a(b"))  # fmt: skip
+    submit(frontend, socket, 3, [5], max_new_tokens=4,
+           structured_output=StructuredOutput(json='{"type": "nosuch"}'))  # fmt: skip
+    errors = {e.request_id: e.message for e in socket.of_type(Error)}
+    assert "invalid structured_output.regex" in errors[2] and "unclosed group" in errors[2]
+    assert "invalid structured_output.json" in errors[3] and "nosuch" in errors[3]
+    assert len(frontend.scheduler.requests) == 2
+
+
+def test_structured_output_without_a_compiler_is_refused_with_the_reason() -> None:
+    from cbpipe.protocol.sampling import StructuredOutput
+
+    frontend, socket = make_frontend()
+    frontend.grammars = "model fake has no tokenizer: structured output needs one"
+    submit(frontend, socket, 1, [5], max_new_tokens=4,
+           structured_output=StructuredOutput(choice=("a", "b")))  # fmt: skip
+    (error,) = socket.of_type(Error)
+    assert error.kind is ErrorKind.REQUEST and "has no tokenizer" in error.message
+    assert not frontend.scheduler.requests

@@ -9,7 +9,7 @@ from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits, SlotViews, numpy_views
 from cbpipe.scheduler.block_manager import BlockManager
-from cbpipe.scheduler.core import Scheduler, StepPlan
+from cbpipe.scheduler.core import Scheduler, StepOutput, StepPlan
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.request import Request
 
@@ -246,3 +246,62 @@ def test_packed_slots_match_a_row_by_row_reference_over_a_random_workload(
         apply_oldest()
     assert carried > 20 and len(sample_modes) > 1
     assert preempted > 0 or num_blocks == 64  # only the roomiest cache never runs short
+
+
+def test_token_masks_go_with_the_constrained_sequences_that_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A constrained request's step is FULL; its mask is written only in a step in which it
+    samples (not a prompt chunk before its last), with its bias entries after it, filtered by
+    the mask; an unconstrained request's bias is packed as before."""
+    from cbpipe.protocol.sampling import StructuredOutput
+
+    layout = SlotLayout.build(
+        SlotLimits(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, vocab_size=64)
+    )
+    buffer = memoryview(bytearray(layout.segment_nbytes))
+    scheduler = Scheduler(BlockManager(32, BLOCK), max_num_seqs=4, max_batch_tokens=8)
+    packer = BatchPacker(buffer, layout, BLOCK)
+
+    class Grammar:  # allows tokens 2..9 and the bias's 40; llguidance's fill, by hand
+        executor = None
+
+    masks_filled: list[int] = []
+
+    def fill(grammars, masks):  # type: ignore[no-untyped-def]
+        masks_filled.append(len(grammars))
+        masks[: len(grammars)] = 0
+        masks[: len(grammars), 0] = 0b1111111100
+        masks[: len(grammars), 1] = 1 << 8  # token 40
+
+    monkeypatch.setattr("cbpipe.scheduler.packer.fill_masks", fill)
+    spec = StructuredOutput(regex="x")
+    constrained = request(1, list(range(10, 22)), structured_output=spec,
+                          logit_bias=((40, 2.0), (50, 3.0)))  # fmt: skip
+    constrained.grammar = Grammar()  # type: ignore[assignment]
+    free = request(2, [5], logit_bias=((9, 1.0),))
+    for req in (constrained, free):
+        scheduler.add_request(req)
+    first = scheduler.schedule()  # 8 of the constrained prompt's 12 tokens: no sampling
+    step = packer.pack(first, 0, None)
+    assert step.sampling is SamplingMode.FULL and step.num_token_masks == 0
+    assert masks_filled == []
+    scheduler.update(first, StepOutput.of_ids([0] * len(first.seqs)))
+    second = scheduler.schedule()  # the rest of its prompt, and the other's
+    step = packer.pack(second, 1, None)
+    views = numpy_views(buffer, layout, 1)
+    assert step.num_token_masks == 1 and masks_filled == [1]
+    index = [seq.req for seq in second.seqs].index(constrained)
+    assert views.extras.mask_seqs[0] == index
+    assert views.extras.token_masks[0] == 0b1111111100
+    entries = list(
+        zip(
+            views.extras.bias_rows[: step.num_bias_entries].tolist(),
+            views.extras.bias_token_ids[: step.num_bias_entries].tolist(),
+            views.extras.bias_values[: step.num_bias_entries].tolist(),
+            strict=True,
+        )
+    )
+    # Token 50 is outside the mask: its bias would lift its ban.
+    assert (constrained.table_row, 40, 2.0) in entries
+    assert all(token != 50 for _, token, _ in entries)

@@ -10,6 +10,7 @@ from cbpipe.protocol import (
     SamplingMode,
     SamplingParams,
     Step,
+    StructuredOutput,
     Submit,
     decode,
     encode,
@@ -98,6 +99,19 @@ def test_expected_types_restrict_what_a_socket_accepts() -> None:
         (SamplingParams(1, stop=("",)), "stop string"),
         (SamplingParams(1, stop=("x" * 257,)), "stop string"),
         (SamplingParams(1, stop=("a",), detokenize=False), "need detokenize"),
+        (SamplingParams(1, structured_output=StructuredOutput()), "exactly one of .* got none"),
+        (
+            SamplingParams(1, structured_output=StructuredOutput(regex="a", choice=("b",))),
+            "got regex, choice",
+        ),
+        (SamplingParams(1, structured_output=StructuredOutput(choice=())), "at least one"),
+        (SamplingParams(1, structured_output=StructuredOutput(choice=("",))), "non-empty"),
+        (SamplingParams(1, structured_output=StructuredOutput(json="")), "non-empty"),
+        (
+            SamplingParams(1, structured_output=StructuredOutput(grammar="x" * 300_000)),
+            "at most 262144",
+        ),
+        (SamplingParams(1, structured_output={"regex": "a"}), "must be a StructuredOutput"),  # type: ignore[arg-type]
     ],
 )
 def test_sampling_params_validation(params: SamplingParams, message: str) -> None:

@@ -113,3 +113,20 @@ def test_bias_entries_apply_in_order_and_out_of_vocabulary_entries_are_dropped()
     assert s.bias[1, 4] == 2.5 and s.bias[0, 4] == -1.0
     assert int((s.bias[:2] != 0).sum()) == 2
     assert SamplingState.nbytes(256, 128256) == 257 * (128256 * 9 + 4)
+
+
+def test_a_mask_rewrites_its_rows_bias_whole() -> None:
+    """Bits set are tokens allowed (0), the rest -inf, whatever the row held; the columns past
+    the mask's bits are banned; other rows are untouched."""
+    s = state()
+    s.apply_bias(torch.tensor([0, 0, 1]), torch.tensor([3, 40, 7]), torch.tensor([2.0, -1.0, 5.0]))
+    words = torch.zeros(1, 1, dtype=torch.int32)  # 32 bits for a vocabulary of 50
+    words[0, 0] = (1 << 3) | 1 | -(1 << 31)  # bit 31: the int32's sign bit
+    s.apply_masks(torch.tensor([0]), words)
+    allowed = (s.bias[0] == 0).nonzero()[:, 0].tolist()
+    assert allowed == [0, 3, 31]
+    assert torch.isneginf(s.bias[0]).sum() == VOCAB - 3
+    assert s.bias[1, 7] == 5.0
+    # The step's bias entries come after the mask: a logit bias on an allowed token.
+    s.apply_bias(torch.tensor([0]), torch.tensor([3]), torch.tensor([1.5]))
+    assert s.bias[0, 3] == 1.5 and s.bias[0, 0] == 0
