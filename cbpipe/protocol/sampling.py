@@ -61,8 +61,8 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    # JSON without whitespace between its tokens; by default any whitespace may come there,
-    # as models trained on pretty-printed JSON write it (vLLM's default too).
+    # JSON without whitespace between its tokens; by default a space, or a line break and an
+    # indentation, may come there, as models trained on pretty-printed JSON write it.
     disable_any_whitespace: bool = False
 
     @property

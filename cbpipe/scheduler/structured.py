@@ -31,6 +31,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# What may come between JSON's tokens unless a request disables whitespace: nothing, one
+# space, or a line break and an indentation, as llama.cpp's JSON grammar has it. Unbounded
+# whitespace (vLLM's default) lets a model that has lost its way write spaces or blank
+# lines until its length limit, the best-known failure of constrained JSON; this keeps
+# compact, spaced and pretty-printed JSON, ten levels deep at four spaces.
+JSON_WHITESPACE = r"(?:\r?\n[ \t]{0,40}| )?"
+
+
 class StructuredOutputUnavailable(ValueError):
     """The engine cannot constrain this model's outputs (no tokenizer, no llguidance)."""
 
@@ -143,7 +151,11 @@ def _grammar_text(spec: StructuredOutput) -> str:
                 raise ValueError(f"structured_output.json is not JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise ValueError("structured_output.json must be a JSON schema (an object)")
-        options: JsonCompileOptions = {"whitespace_flexible": not spec.disable_any_whitespace}
+        options: JsonCompileOptions = (
+            {"whitespace_flexible": False}
+            if spec.disable_any_whitespace
+            else {"whitespace_pattern": JSON_WHITESPACE}
+        )
         try:
             return str(LLMatcher.grammar_from_json_schema(schema, defaults=options))
         except ValueError as exc:

@@ -285,7 +285,7 @@ def test_a_named_function_is_called_with_arguments_of_its_schema(api: openai.Ope
 def test_required_makes_calls_of_the_tools(api: openai.OpenAI, stream: bool) -> None:
     kwargs: Any = {
         "model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-        "max_tokens": 2 * MAX_TOKENS, "temperature": 1.0, "seed": 5, "n": 3,
+        "max_tokens": 4 * MAX_TOKENS, "temperature": 1.0, "seed": 5, "n": 3,
     }  # fmt: skip
     if stream:
         found: dict[int, dict[int, list[str]]] = {}  # choice -> call index -> name, arguments
