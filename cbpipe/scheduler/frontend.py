@@ -15,6 +15,7 @@ stop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -48,7 +49,7 @@ from cbpipe.protocol.messages import (
 from cbpipe.protocol.sampling import MAX_SEED, SamplingParams, safe_repr
 from cbpipe.protocol.slots import MAX_EOS_TOKEN_IDS
 from cbpipe.scheduler.core import RequestUpdate, Scheduler
-from cbpipe.scheduler.prompts import PromptTokenizer, PromptTooLong
+from cbpipe.scheduler.preparation import Preparation, Prepared, PromptTooLong
 from cbpipe.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from cbpipe.scheduler.structured import Grammars, TokenGrammar
 from cbpipe.scheduler.text import Detokenizer, SampleText
@@ -114,14 +115,15 @@ class Frontend:
         self.model = model
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
-        self.prompts = (
-            PromptTokenizer(tokenizer, model.max_total_tokens) if tokenizer is not None else None
+        self.preparation = (
+            Preparation(tokenizer, model.max_total_tokens) if tokenizer is not None else None
         )
         self.max_waiting_requests = max_waiting_requests
         self.grammars = grammars
         self.failure: str | None = None  # set once the engine cannot serve any more
         self._jobs: dict[Origin, Job] = {}
-        self._tokenizing: dict[Origin, Submit] = {}  # text prompts on the tokenizer thread
+        # Jobs on the preparation thread: text prompts, structured-output constraints.
+        self._preparing: dict[Origin, Submit] = {}
         self._gone: set[bytes] = set()  # clients whose connections are gone
         self._job_of: dict[int, Job] = {}  # by engine id
         self._next_id = 0
@@ -188,10 +190,10 @@ class Frontend:
             self._send(identity, Error(message.request_id, ErrorKind.ENGINE, self.failure))
             return
         try:
-            if origin in self._jobs or origin in self._tokenizing:
+            if origin in self._jobs or origin in self._preparing:
                 raise RequestRejected(f"request_id {message.request_id} is already in use")
             self._check_params(message.params)
-            queued = self.scheduler.num_waiting + len(self._tokenizing)
+            queued = self.scheduler.num_waiting + len(self._preparing)
             if queued >= self.max_waiting_requests:
                 self._send(
                     identity,
@@ -202,37 +204,53 @@ class Frontend:
                     ),
                 )
                 return
-            if isinstance(message.prompt, str):
-                if self.prompts is None:
-                    raise RequestRejected(
-                        f"model {self.model.name} has no tokenizer: send the prompt as token ids"
-                    )
-                self._tokenizing[origin] = message
-                self.prompts.submit(origin, message.prompt)
+            prompt = message.prompt
+            if isinstance(prompt, str) and self.preparation is None:
+                raise RequestRejected(
+                    f"model {self.model.name} has no tokenizer: send the prompt as token ids"
+                )
+            if not isinstance(prompt, str):
+                prompt = self._checked_ids(prompt)
+            spec = message.params.structured_output
+            if isinstance(prompt, str) or spec is not None:
+                assert self.preparation is not None  # a constraint needs the tokenizer
+                self._preparing[origin] = message
+                then = None if spec is None else functools.partial(self._grammars, message.params)
+                self.preparation.submit(origin, prompt, then)
                 return
-            self._admit(origin, message, self._checked_ids(message.prompt))
+            self._admit(origin, message, prompt, [None] * message.params.n)
         except RequestRejected as exc:
             self._send(identity, Error(message.request_id, ErrorKind.REQUEST, str(exc)))
 
-    def on_prompts_tokenized(self) -> None:
-        """Admit the jobs whose text prompts the tokenizer thread finished."""
-        assert self.prompts is not None
-        for key, result in self.prompts.finished():
+    def on_jobs_prepared(self) -> None:
+        """Admit the jobs that the preparation thread finished."""
+        assert self.preparation is not None
+        for key, result in self.preparation.finished():
             assert isinstance(key, Origin)
-            message = self._tokenizing.pop(key, None)
+            message = self._preparing.pop(key, None)
             if message is None:
-                continue  # cancelled while it was tokenized
+                continue  # cancelled while it was prepared
             try:
+                if isinstance(result, RequestRejected):
+                    raise result
                 if isinstance(result, PromptTooLong):
                     raise RequestRejected(self._too_long(result.args[0]))
                 if isinstance(result, Exception):
                     raise RequestRejected(f"the prompt could not be tokenized: {result}")
-                self._admit(key, message, result)
+                assert isinstance(result, Prepared)
+                grammars = result.extra or [None] * message.params.n
+                self._admit(key, message, result.prompt, grammars)
             except RequestRejected as exc:
                 self._send(key.identity, Error(message.request_id, ErrorKind.REQUEST, str(exc)))
 
-    def _admit(self, origin: Origin, message: Submit, prompt: list[int]) -> None:
-        reqs = self._make_requests(message, prompt)
+    def _admit(
+        self,
+        origin: Origin,
+        message: Submit,
+        prompt: list[int],
+        grammars: list[TokenGrammar | None],
+    ) -> None:
+        reqs = self._make_requests(message, prompt, grammars)
         job = Job(origin, [r.request_id for r in reqs], {r.request_id for r in reqs})
         self._jobs[origin] = job
         arrival_ns = time.perf_counter_ns()
@@ -253,7 +271,7 @@ class Frontend:
     def _on_cancel(self, identity: bytes, message: Message) -> None:
         assert isinstance(message, Cancel)
         origin = Origin(identity, message.request_id)
-        pending = self._tokenizing.pop(origin, None)
+        pending = self._preparing.pop(origin, None)
         if pending is not None:  # not a request yet: its samples end here
             for index in range(pending.params.n):
                 self._send(identity, Finished(message.request_id, "cancelled", None, 0, index))
@@ -270,7 +288,7 @@ class Frontend:
             identity,
             Stats(
                 num_running=len(scheduler.running),
-                num_waiting=scheduler.num_waiting + len(self._tokenizing),
+                num_waiting=scheduler.num_waiting + len(self._preparing),
                 kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks,
                 num_prompt_tokens=self.num_prompt_tokens,
                 num_generation_tokens=self.num_generation_tokens,
@@ -286,8 +304,8 @@ class Frontend:
         self._drop_client(identity, "closed")
 
     def _drop_client(self, identity: bytes, why: str) -> None:
-        for origin in [o for o in self._tokenizing if o.identity == identity]:
-            del self._tokenizing[origin]
+        for origin in [o for o in self._preparing if o.identity == identity]:
+            del self._preparing[origin]
         orphans = [job for origin, job in self._jobs.items() if origin.identity == identity]
         for job in orphans:
             self._cancel(job)
@@ -319,8 +337,11 @@ class Frontend:
             f"{self.model.max_total_tokens} tokens per sequence, prompt and output together"
         )
 
-    def _make_requests(self, message: Submit, prompt: list[int]) -> list[Request]:
-        """The job's samples as requests, for a checked prompt."""
+    def _make_requests(
+        self, message: Submit, prompt: list[int], grammars: list[TokenGrammar | None]
+    ) -> list[Request]:
+        """The job's samples as requests, for a checked prompt, each with its own place in
+        the job's grammar (or None)."""
         params = message.params
         if not prompt:
             raise RequestRejected("prompt is empty")
@@ -328,7 +349,6 @@ class Frontend:
         if len(prompt) >= limit:
             raise RequestRejected(self._too_long(len(prompt)))
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
-        grammars = self._sample_grammars(params)
         reqs = []
         for index in range(params.n):
             # The prompt's log-probabilities are the same for every sample: one computes them.
@@ -348,17 +368,16 @@ class Frontend:
             )
         return reqs
 
-    def _sample_grammars(self, params: SamplingParams) -> list[TokenGrammar | None]:
-        """Each sample's matcher of the job's constraint, compiled once; Nones without one."""
+    def _grammars(self, params: SamplingParams) -> list[TokenGrammar | None]:
+        """Each sample's matcher of the job's constraint, compiled once (on the preparation
+        thread: a large schema takes a while)."""
         spec = params.structured_output
-        if spec is None:
-            return [None] * params.n
-        assert isinstance(self.grammars, Grammars)  # _check_params
+        assert spec is not None and isinstance(self.grammars, Grammars)  # _check_params
         try:
-            grammar = self.grammars.compile(spec)
+            first = self.grammars.follow(self.grammars.compile(spec))
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
-        return [self.grammars.follow(grammar) for _ in range(params.n)]
+        return [first, *(first.copy() for _ in range(params.n - 1))]
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model.vocab_size
@@ -461,9 +480,9 @@ class Frontend:
         """The engine cannot go on: every job gets an engine error, and so will new ones."""
         self.failure = reason
         self.scheduler.fail_all()
-        for origin, message in self._tokenizing.items():
+        for origin, message in self._preparing.items():
             self._send(origin.identity, Error(message.request_id, ErrorKind.ENGINE, reason))
-        self._tokenizing.clear()
+        self._preparing.clear()
         for job in self._jobs.values():
             self._send(
                 job.origin.identity, Error(job.origin.client_request_id, ErrorKind.ENGINE, reason)

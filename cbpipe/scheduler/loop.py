@@ -174,9 +174,10 @@ class EngineLoop:
         self.poller = zmq.Poller()
         for socket in (client_socket, results_socket, worker_monitor):
             self.poller.register(socket, zmq.POLLIN)
-        self.prompts_fd = frontend.prompts.fileno() if frontend.prompts is not None else None
-        if self.prompts_fd is not None:
-            self.poller.register(self.prompts_fd, zmq.POLLIN)
+        preparation = frontend.preparation
+        self.preparation_fd = preparation.fileno() if preparation is not None else None
+        if self.preparation_fd is not None:
+            self.poller.register(self.preparation_fd, zmq.POLLIN)
 
     def run(self) -> None:
         """Serve until ``stop()``; raises ``WorkerLost`` if the worker goes away.
@@ -279,8 +280,8 @@ class EngineLoop:
         events = dict(self.poller.poll(timeout_ms))
         if events:
             self._blocked = False
-        if self.prompts_fd is not None and self.prompts_fd in events:
-            self.frontend.on_prompts_tokenized()
+        if self.preparation_fd is not None and self.preparation_fd in events:
+            self.frontend.on_jobs_prepared()
         if self.worker_monitor in events:
             self._on_monitor_event()
         if self.results_socket in events:

@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any
@@ -16,7 +17,7 @@ import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
 from cbpipe.logs import setup_logging
-from cbpipe.models import resolve_model
+from cbpipe.models import ModelSource, resolve_model
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import MAX_FRAME_BYTES, WorkerFailed, WorkerReady, decode
@@ -27,7 +28,7 @@ from cbpipe.scheduler.core import Scheduler
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
 from cbpipe.scheduler.loop import EngineLoop, Liveness, WorkerLost, worker_frame
 from cbpipe.scheduler.packer import BatchPacker
-from cbpipe.scheduler.structured import Grammars
+from cbpipe.scheduler.structured import Grammars, StructuredOutputUnavailable
 from cbpipe.trace import write_chrome_trace
 
 log = logging.getLogger("cbpipe.scheduler")
@@ -91,8 +92,8 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
         if loop is not None and loop.records is not None and spec.config.scheduler.trace:
             write_chrome_trace(loop.records, spec.config.scheduler.trace)
             log.info("wrote %d steps to %s", len(loop.records), spec.config.scheduler.trace)
-        if loop is not None and loop.frontend.prompts is not None:
-            loop.frontend.prompts.close()
+        if loop is not None and loop.frontend.preparation is not None:
+            loop.frontend.preparation.close()
         sockets.close()
         segment.close()
         context.term()
@@ -201,33 +202,43 @@ class _AllowKey:
         return allowed
 
 
-def _grammars(tokenizer: Any | None, model: ModelInfo, mask_tokens: int) -> Grammars | str:
-    """Structured output's compiler, or why this engine cannot constrain outputs."""
-    if tokenizer is None:
-        return f"model {model.name} has no tokenizer: structured output needs one"
-    if mask_tokens != model.vocab_size:  # the slots' masks are sized from the model's config
-        return (
-            f"the slots' token masks cover {mask_tokens} tokens, the model has "
-            f"{model.vocab_size}: structured output is off"
-        )
-    return Grammars(tokenizer, model.vocab_size, model.eos_token_ids)
+def _load_text_tools(source: ModelSource, mask_tokens: int) -> tuple[Any | None, Grammars | str]:
+    """The model's tokenizer, and structured output's compiler with llguidance's view of it
+    built (seconds for a vocabulary of 128 k tokens, most of it holding the GIL: done while
+    the workers load, never on the step loop) or why there is none."""
+    if source.tokenizer_path is None:
+        return None, "the model has no tokenizer: structured output needs one"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
+    grammars = Grammars(tokenizer, mask_tokens, source.eos_token_ids)
+    try:
+        grammars.llg_tokenizer()
+    except StructuredOutputUnavailable as exc:
+        log.warning("%s; requests that ask for it are refused", exc)
+        return tokenizer, str(exc)
+    return tokenizer, grammars
 
 
 def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> EngineLoop:
     config = spec.config
-    hello = _wait_for_workers(
-        sockets.results,
-        spec.results_token,
-        sockets.steps,
-        len(spec.worker_names),
-        config.ready_timeout_s,
-    )
     source = resolve_model(config.model.model, config.model.revision)
-    tokenizer = None
-    if source.tokenizer_path is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
+    mask_tokens = spec.layout.limits.vocab_size
+    with ThreadPoolExecutor(1, thread_name_prefix="text-tools") as pool:
+        text_tools = pool.submit(_load_text_tools, source, mask_tokens)
+        hello = _wait_for_workers(
+            sockets.results,
+            spec.results_token,
+            sockets.steps,
+            len(spec.worker_names),
+            config.ready_timeout_s,
+        )
+        tokenizer, grammars = text_tools.result()
+    if isinstance(grammars, Grammars) and mask_tokens != hello.vocab_size:
+        grammars = (  # the slots' masks are sized from the model's configuration
+            f"the slots' token masks cover {mask_tokens} tokens, the model has "
+            f"{hello.vocab_size}: structured output is off"
+        )
     max_model_len = config.model.max_model_len
     assert max_model_len is not None  # the launcher resolves it
     model = ModelInfo(
@@ -252,7 +263,7 @@ def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> E
         tokenizer,
         max_waiting_requests=config.scheduler.max_waiting_requests,
         max_frame_bytes=frame_limit(max_model_len),
-        grammars=_grammars(tokenizer, model, spec.layout.limits.vocab_size),
+        grammars=grammars,
     )
     log.info(
         "serving %s (%s on %s), %d KV blocks, %d tokens a step",

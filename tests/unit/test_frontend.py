@@ -69,10 +69,11 @@ def make_frontend(with_tokenizer: bool = False) -> tuple[Frontend, FakeSocket]:
 def submit(frontend: Frontend, socket: FakeSocket, request_id: int, prompt: Any, **params) -> None:
     socket.inbox.append([CLIENT, encode(Submit(request_id, prompt, SamplingParams(**params)))])
     frontend.receive()
-    if isinstance(prompt, str):  # tokenized on the tokenizer's thread: wait for it, as the loop
-        assert frontend.prompts is not None
-        assert select.select([frontend.prompts.fileno()], [], [], 30)[0]
-        frontend.on_prompts_tokenized()
+    if frontend._preparing:
+        # On the preparation thread (a text prompt, a constraint): wait for it, as the loop.
+        assert frontend.preparation is not None
+        assert select.select([frontend.preparation.fileno()], [], [], 30)[0]
+        frontend.on_jobs_prepared()
 
 
 def fake_output(plan: StepPlan, tokens: dict[int, int]) -> StepOutput:
@@ -293,9 +294,9 @@ def test_a_job_cancelled_while_its_prompt_is_tokenized_ends_cancelled() -> None:
         (0, "cancelled"),
         (1, "cancelled"),
     ]
-    assert frontend.prompts is not None
-    assert select.select([frontend.prompts.fileno()], [], [], 30)[0]
-    frontend.on_prompts_tokenized()  # the finished prompt is dropped
+    assert frontend.preparation is not None
+    assert select.select([frontend.preparation.fileno()], [], [], 30)[0]
+    frontend.on_jobs_prepared()  # the finished prompt is dropped
     assert frontend.scheduler.is_idle
 
 
@@ -325,8 +326,14 @@ def test_structured_output_is_compiled_per_job_and_followed_per_sample() -> None
 
     frontend, socket = make_frontend(with_tokenizer=True)
     frontend.grammars = Grammars(tokenizer(), 2048, {EOS})
-    submit(frontend, socket, 1, [5, 6], max_new_tokens=4, n=2,
-           structured_output=StructuredOutput(regex="[0-9]+"))  # fmt: skip
+    params = SamplingParams(4, n=2, structured_output=StructuredOutput(regex="[0-9]+"))
+    socket.inbox.append([CLIENT, encode(Submit(1, [5, 6], params))])
+    frontend.receive()
+    # Compiled on the preparation thread, off the loop: not a request until the loop hears.
+    assert not frontend.scheduler.requests
+    assert frontend.preparation is not None
+    assert select.select([frontend.preparation.fileno()], [], [], 30)[0]
+    frontend.on_jobs_prepared()
     reqs = list(frontend.scheduler.requests.values())
     assert len(reqs) == 2 and all(r.grammar is not None for r in reqs)
     assert reqs[0].grammar is not reqs[1].grammar  # each sample walks the grammar alone

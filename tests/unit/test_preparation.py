@@ -1,4 +1,5 @@
-"""The prompt tokenizer's thread: the loop hands a prompt over and never waits for it."""
+"""The preparation thread: the loop hands a job over (a text prompt to tokenize, work to do
+after it) and never waits for it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cbpipe.scheduler.prompts import PromptTokenizer, PromptTooLong
+from cbpipe.scheduler.preparation import Preparation, Prepared, PromptTooLong
 
 WAIT_S = 30.0  # a bound on waiting for the thread, never a speed assertion
 
@@ -33,12 +34,12 @@ class GatedTokenizer:
         return SimpleNamespace(input_ids=[ord(c) for c in text])
 
 
-def wait_readable(prompts: PromptTokenizer) -> None:
+def wait_readable(prompts: Preparation) -> None:
     readable, _, _ = select.select([prompts.fileno()], [], [], WAIT_S)
     assert readable, "no prompt was reported done"
 
 
-def collect(prompts: PromptTokenizer, count: int) -> dict[object, list[int] | Exception]:
+def collect(prompts: Preparation, count: int) -> dict[object, list[int] | Exception]:
     done: dict[object, list[int] | Exception] = {}
     while len(done) < count:
         wait_readable(prompts)
@@ -53,31 +54,35 @@ def tokenizer() -> GatedTokenizer:
 
 @pytest.fixture
 def prompts(tokenizer: GatedTokenizer):  # type: ignore[no-untyped-def]
-    prompts = PromptTokenizer(tokenizer, max_tokens=5)
+    prompts = Preparation(tokenizer, max_tokens=5)
     yield prompts
     tokenizer.gate.set()
     prompts.close()
 
 
 def test_submit_returns_while_the_tokenizer_works(
-    prompts: PromptTokenizer, tokenizer: GatedTokenizer
+    prompts: Preparation, tokenizer: GatedTokenizer
 ) -> None:
     prompts.submit("a", "abc")  # the gate is shut: tokenizing it cannot finish
     readable, _, _ = select.select([prompts.fileno()], [], [], 0.05)
     assert not readable and prompts.finished() == []
     tokenizer.gate.set()
-    assert collect(prompts, 1) == {"a": [97, 98, 99]}
+    assert collect(prompts, 1) == {"a": Prepared([97, 98, 99])}
     assert tokenizer.threads and threading.get_ident() not in tokenizer.threads
 
 
 def test_each_prompt_gets_its_ids_or_why_it_was_refused(
-    prompts: PromptTokenizer, tokenizer: GatedTokenizer
+    prompts: Preparation, tokenizer: GatedTokenizer
 ) -> None:
     tokenizer.gate.set()
     for key, text in [("ok", "abcd"), ("long", "abcde"), ("broken", "boom")]:
         prompts.submit(key, text)
-    done = collect(prompts, 3)
-    assert done["ok"] == [97, 98, 99, 100]
+    prompts.submit("ids", [5, 6], then=lambda: "compiled")  # ids pass as they are
+    prompts.submit("failed", "ab", then=lambda: 1 / 0)
+    done = collect(prompts, 5)
+    assert done["ok"] == Prepared([97, 98, 99, 100])
+    assert done["ids"] == Prepared([5, 6], "compiled")
+    assert isinstance(done["failed"], ZeroDivisionError)
     # max_tokens is the sequence's whole limit: a prompt must leave room for one new token.
     assert isinstance(done["long"], PromptTooLong) and done["long"].args == (5,)
     assert isinstance(done["broken"], RuntimeError)
@@ -85,7 +90,7 @@ def test_each_prompt_gets_its_ids_or_why_it_was_refused(
 
 
 def test_close_does_not_wait_for_queued_prompts(tokenizer: GatedTokenizer) -> None:
-    prompts = PromptTokenizer(tokenizer, max_tokens=5)
+    prompts = Preparation(tokenizer, max_tokens=5)
     for key in range(3):
         prompts.submit(key, "ab")
     deadline = time.monotonic() + WAIT_S
