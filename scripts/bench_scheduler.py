@@ -9,26 +9,37 @@ that encodes every frame and drops it (``--num-clients`` clients, jobs dealt rou
 Times are process CPU time, so a busy machine disturbs them less than wall time would.
 
     python scripts/bench_scheduler.py --num-requests 1024 --max-num-seqs 256
+
+With ``--structured F --tokenizer T`` a fraction F of the requests follow a JSON schema
+(structured output): their masks are computed by llguidance over T's vocabulary when their
+steps are packed, and their sampled ids are drawn from those masks, untimed, as a worker
+would sample them.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import mmap
 import random
+import select
 import statistics
 import time
 from collections import defaultdict
+from typing import Any
+
+import numpy as np
 
 from cbpipe.collector import CollectorPacing
 from cbpipe.protocol.messages import Step, Submit, encode
-from cbpipe.protocol.sampling import SamplingParams
-from cbpipe.protocol.slots import SlotLayout, SlotLimits
+from cbpipe.protocol.sampling import SamplingParams, StructuredOutput
+from cbpipe.protocol.slots import SlotLayout, SlotLimits, SlotViews
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
 from cbpipe.scheduler.packer import BatchPacker
+from cbpipe.scheduler.structured import Grammars
 
 PARTS = ("schedule", "pack", "update", "publish")
 
@@ -44,6 +55,49 @@ class DiscardingSocket:
 
     def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
         pass
+
+
+# A record of the kind tool calls and extraction ask for, whose strings and arrays have no
+# bound: with sampled tokens drawn at random from the masks, most outputs run to their length.
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+        "required": ["name", "age", "tags", "address"],
+    }
+)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if path.endswith(".json"):
+        return PreTrainedTokenizerFast(tokenizer_file=path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def sample_from_masks(
+    views: SlotViews[np.ndarray], step: Step, layout: SlotLayout, rng: random.Random
+) -> None:
+    """Each constrained sequence's sampled id, drawn from its mask, as a worker would sample
+    it (the other sequences' ids are whatever the output region holds)."""
+    words = layout.limits.mask_words
+    for index in range(step.num_token_masks):
+        mask = views.extras.token_masks[index * words : (index + 1) * words]
+        # A random allowed token: of a random word that allows any, a random bit.
+        nonzero = np.flatnonzero(mask)
+        word = int(nonzero[rng.randrange(len(nonzero))])
+        bits = [bit for bit in range(32) if (int(mask[word]) >> bit) & 1]
+        views.outputs.sampled_ids[views.extras.mask_seqs[index]] = word * 32 + rng.choice(bits)
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +118,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--num-clients", type=int, default=1, help="clients the jobs come from")
     p.add_argument(
+        "--structured", type=float, default=0.0, help="fraction of requests under a JSON schema"
+    )
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer (folder or tokenizer.json)")
+    p.add_argument(
         "--gc",
         choices=("paced", "default"),
         default="paced",
@@ -77,7 +135,14 @@ def main() -> None:
     args = parse_args()
     max_len = args.shared_prefix + args.prompt_len[1] + args.output_len[1]
     blocks_per_seq = -(-max_len // args.block_size)
-    limits = SlotLimits(args.max_batch_tokens, args.max_num_seqs, blocks_per_seq)
+    tokenizer, vocab, grammars = None, 32000, None
+    if args.structured:
+        if not args.tokenizer:
+            raise SystemExit("--structured needs --tokenizer")
+        tokenizer = load_tokenizer(args.tokenizer)
+        vocab = len(tokenizer)
+        grammars = Grammars(tokenizer, vocab, [])
+    limits = SlotLimits(args.max_batch_tokens, args.max_num_seqs, blocks_per_seq, vocab_size=vocab)
     layout = SlotLayout.build(limits)
     segment = memoryview(mmap.mmap(-1, layout.segment_nbytes))
     # Room for every running sequence at full length: no preemption in the measurement.
@@ -92,27 +157,37 @@ def main() -> None:
     frontend = Frontend(
         DiscardingSocket(inbox),  # type: ignore[arg-type]
         scheduler,
-        ModelInfo("bench", 32000, max_len, frozenset()),
-        tokenizer=None,
+        ModelInfo("bench", vocab, max_len, frozenset()),
+        tokenizer=tokenizer,
         max_waiting_requests=args.num_requests,
+        grammars=grammars,
     )
     rng = random.Random(args.seed)
-    shared = [rng.randrange(32000) for _ in range(args.shared_prefix)]
+    shared = [rng.randrange(vocab) for _ in range(args.shared_prefix)]
     for i in range(args.num_requests):
-        prompt = shared + [rng.randrange(32000) for _ in range(rng.randint(*args.prompt_len))]
+        prompt = shared + [rng.randrange(vocab) for _ in range(rng.randint(*args.prompt_len))]
+        constrained = rng.random() < args.structured
         params = SamplingParams(
-            max_new_tokens=rng.randint(*args.output_len), ignore_eos=True, seed=i
+            max_new_tokens=rng.randint(*args.output_len),
+            ignore_eos=True,
+            seed=i,
+            detokenize=False,
+            structured_output=StructuredOutput(json=SCHEMA) if constrained else None,
         )
         client = f"client-{i % args.num_clients}".encode()
         inbox.append([client, encode(Submit(i, prompt, params))])
         frontend.receive()
+    while frontend.preparation is not None and frontend._preparing:  # constraints compiling
+        select.select([frontend.preparation.fileno()], [], [], 60)
+        frontend.on_jobs_prepared()
 
     cpu_ms: dict[str, list[float]] = {"decode-only": [], "with prefill": []}
-    # Each part's CPU time in full-batch steps, by kind of step.
+    # Each part's CPU time in steps of a full engine, by kind of step.
     part_ms: dict[tuple[str, str], list[float]] = defaultdict(list)
     # Full-batch steps by step number, and the blocks cached at each.
     full_batch_ms: dict[tuple[str, int], list[float]] = defaultdict(list)
     cached_blocks: list[int] = []
+    full_batch_sizes: dict[str, list[tuple[int, int]]] = defaultdict(list)
     pauses_ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
     collector_started = [0.0]
 
@@ -146,6 +221,7 @@ def main() -> None:
         previous = in_flight[-1][1] if in_flight else None
         packed = packer.pack(plan, step % 2, previous)
         packed_at = time.process_time()
+        sample_from_masks(packer.views(step % 2), packed, layout, rng)
         parts = {"schedule": planned - start, "pack": packed_at - planned}
         in_flight.append((plan, step % 2, packed))
         updates: list[RequestUpdate] = []
@@ -160,8 +236,11 @@ def main() -> None:
             collector.between_steps()
         kind = "decode-only" if packed.num_single_token_seqs == packed.num_seqs else "with prefill"
         cpu_ms[kind].append(elapsed * 1e3)
-        if packed.num_seqs == args.max_num_seqs:  # a full batch: comparable steps
+        # A full engine: comparable steps (a constrained request waiting for its token is
+        # running but not in the step).
+        if len(scheduler.running) == args.max_num_seqs:
             full_batch_ms[kind, step].append(elapsed * 1e3)
+            full_batch_sizes[kind].append((packed.num_seqs, packed.num_token_masks))
             cached_blocks.append(blocks.num_cached_blocks)
             for part, seconds in parts.items():
                 part_ms[kind, part].append(seconds * 1e3)
@@ -207,6 +286,9 @@ def main() -> None:
         ]
         if medians:
             print(f"{kind:>13}: full-batch steps, median CPU ms per part: " + ", ".join(medians))
+            seqs, masks = zip(*full_batch_sizes[kind], strict=True)
+            print(f"{kind:>13}: full-batch steps, {statistics.mean(seqs):.1f} sequences and "
+                  f"{statistics.mean(masks):.1f} token masks a step")  # fmt: skip
     for generation, values in pauses_ms.items():
         longest = f", longest {max(values):.3f} ms" if values else ""
         print(f"  generation {generation} collections: {len(values)}{longest}")
