@@ -40,6 +40,12 @@ class ModelConfig:
     revision: str | None = _opt(
         None, "the branch, tag or commit of a --model Hub id (default: its main branch)"
     )
+    tokenizer: str | None = _opt(
+        None,
+        "a folder holding the tokenizer to use instead of the model's own (vLLM's "
+        "--tokenizer): text prompts, chat templates and structured output for a checkpoint "
+        "without one, or a random-weight preset",
+    )
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "where the worker runs the model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "model and KV-cache dtype; auto is float32 on the CPU, bfloat16 on CUDA"

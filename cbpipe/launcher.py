@@ -162,7 +162,7 @@ def resolve_limits(config: EngineConfig) -> EngineConfig:
     cbpipe cannot serve, before any child starts.
     """
     fetch_model(config.model.model, config.model.revision)
-    source = resolve_model(config.model.model, config.model.revision)
+    source = resolve_model(config.model.model, config.model.revision, config.model.tokenizer)
     max_model_len = check_config(source.config, config.model.max_model_len)
     check_tensor_parallel(source.config, config.worker.tensor_parallel_size)
     model_len = length_limit(source.config)

@@ -8,6 +8,7 @@ the worker's business.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,10 +92,11 @@ class ModelSource:
     name: str
     path: Path | None
     config: PretrainedConfig
+    tokenizer: Path | None = None  # --tokenizer: used instead of the model's own
 
     @property
     def tokenizer_path(self) -> Path | None:
-        return self.path
+        return self.tokenizer or self.path
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -108,9 +110,24 @@ class ModelSource:
         return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def resolve_model(name: str, revision: str | None = None) -> ModelSource:
-    """Resolve a ``--model`` value (at ``--revision``, for a Hub id); raises ``ValueError``
-    saying what would have worked."""
+def resolve_model(
+    name: str, revision: str | None = None, tokenizer: str | None = None
+) -> ModelSource:
+    """Resolve a ``--model`` value (at ``--revision``, for a Hub id) and its ``--tokenizer``;
+    raises ``ValueError`` saying what would have worked."""
+    source = _resolve_model(name, revision)
+    if tokenizer is None:
+        return source
+    folder = Path(tokenizer).expanduser()
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(
+            f"--tokenizer {tokenizer!r} is not a folder with a tokenizer.json or "
+            "tokenizer_config.json"
+        )
+    return dataclasses.replace(source, tokenizer=folder.resolve())
+
+
+def _resolve_model(name: str, revision: str | None) -> ModelSource:
     if name == "default":
         return ModelSource(name, EMBEDDED_MODEL_DIR, AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR))
     if name.startswith(RANDOM_PREFIX):

@@ -211,6 +211,11 @@ def _load_text_tools(source: ModelSource, mask_tokens: int) -> tuple[Any | None,
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
+    if len(tokenizer) > mask_tokens:  # its ids would lie outside the model's embeddings
+        raise ValueError(
+            f"the tokenizer in {source.tokenizer_path} has {len(tokenizer)} tokens, more than "
+            f"the model's {mask_tokens}"
+        )
     grammars = Grammars(tokenizer, mask_tokens, source.eos_token_ids)
     try:
         grammars.llg_tokenizer()
@@ -222,7 +227,7 @@ def _load_text_tools(source: ModelSource, mask_tokens: int) -> tuple[Any | None,
 
 def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> EngineLoop:
     config = spec.config
-    source = resolve_model(config.model.model, config.model.revision)
+    source = resolve_model(config.model.model, config.model.revision, config.model.tokenizer)
     mask_tokens = spec.layout.limits.vocab_size
     with ThreadPoolExecutor(1, thread_name_prefix="text-tools") as pool:
         text_tools = pool.submit(_load_text_tools, source, mask_tokens)

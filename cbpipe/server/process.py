@@ -97,7 +97,9 @@ async def _serve(
     from cbpipe.server.tools import PARSERS
 
     server_config = spec.config.server
-    source = resolve_model(spec.config.model.model, spec.config.model.revision)
+    source = resolve_model(
+        spec.config.model.model, spec.config.model.revision, spec.config.model.tokenizer
+    )
     client = await AsyncClient.connect(
         spec.addresses.client, connect_timeout=CONNECT_TIMEOUT_S, api_key=spec.config.api_key
     )

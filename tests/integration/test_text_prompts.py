@@ -10,9 +10,14 @@ from typing import Any
 import pytest
 
 from cbpipe.client import Client, RequestError
-from cbpipe.engine_process import EngineProcess
+from cbpipe.engine_process import EngineProcess, EngineStartError
 from tests.hub_cache import cache_model
-from tests.integration.conftest import EMBEDDED_MODEL_DIR, TEXT_MODEL_DIR, EngineRun
+from tests.integration.conftest import (
+    EMBEDDED_MODEL_DIR,
+    TEXT_MODEL_DIR,
+    EngineRun,
+    launch_engine,
+)
 from tests.integration.helpers import RESULT_TIMEOUT_S
 
 needs_text_model = pytest.mark.skipif(
@@ -232,3 +237,47 @@ def test_a_model_named_by_its_hub_id_serves_from_the_cache(
         assert client._welcome is not None and client._welcome.model == "acme/tiny"
         result = client.submit(prompt, max_new_tokens=8).result(RESULT_TIMEOUT_S)
         assert result.token_ids == expected
+
+
+def _tiny_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A byte-level BPE of ``vocab_size`` tokens trained on a few sentences, as a folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(PROMPTS * 20 + ["the answer is 42 and then some"] * 20, trainer)
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return folder
+
+
+def test_a_preset_with_a_tokenizer_takes_text_and_structured_output(tmp_path: Path) -> None:
+    """``--tokenizer`` (vLLM's) gives a random-weight preset text prompts, text and structured
+    output; a tokenizer larger than the model's vocabulary stops the start-up, named."""
+    from cbpipe.protocol.sampling import StructuredOutput
+
+    folder = _tiny_tokenizer(tmp_path / "tokenizer", 300)  # the preset has 512 embeddings
+    flags = ("--model", "random:qwen2-tiny", "--tokenizer", str(folder))
+    with launch_engine(*flags) as run, Client(run.address) as client:
+        free = client.submit("Once upon a time", max_new_tokens=4, ignore_eos=True)
+        digits = client.submit(
+            "The answer is",
+            max_new_tokens=12,
+            structured_output=StructuredOutput(regex="[0-9]{2,3}"),
+        )
+        assert len(free.result(timeout=RESULT_TIMEOUT_S).token_ids) == 4
+        result = digits.result(timeout=RESULT_TIMEOUT_S)
+        assert result.finish_reason == "stop" and result.text.isdigit(), result
+        assert 2 <= len(result.text) <= 3
+    too_big = ["--model", "random:qwen2-tiny", "--tokenizer", str(EMBEDDED_MODEL_DIR)]
+    with pytest.raises(EngineStartError, match="has 2048 tokens, more than the model's 512"):
+        EngineProcess.start(too_big)
+    with pytest.raises(EngineStartError, match="is not a folder with a tokenizer.json"):
+        EngineProcess.start(["--model", "random:qwen2-tiny", "--tokenizer", str(tmp_path)])
