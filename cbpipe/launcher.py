@@ -431,6 +431,7 @@ def _child(target, spec: RunSpec, ready, args) -> None:  # type: ignore[no-untyp
     # their own from the kernel (SIGTERM alone could not tell them who must clean up).
     signal.signal(PARENT_DIED, functools.partial(_on_launcher_death, spec))
     end_with_parent(spec.launcher_pid, PARENT_DIED)
+    _stdout_to_stderr()
     code = 1
     try:
         target(spec, ready, *args)
@@ -445,6 +446,16 @@ def _child(target, spec: RunSpec, ready, args) -> None:  # type: ignore[no-untyp
         logging.shutdown()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _stdout_to_stderr() -> None:
+    """Point this child's stdout at its stderr. The launcher's stdout carries its ready line,
+    and the program that started it may read no further (``EngineProcess`` stops at that
+    line): whatever a child wrote there (uvicorn's access log, at --log-level debug) filled
+    the pipe and blocked the child in a write, serving nothing, and once the launcher was
+    killed it could not stop until its watchdog ended it."""
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
 
 def _on_launcher_death(spec: RunSpec, signum: int, frame: FrameType | None) -> None:

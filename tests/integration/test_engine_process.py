@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from cbpipe.client import Client, EngineError, Job
@@ -212,6 +213,34 @@ def test_children_stop_and_clean_up_when_the_launcher_is_killed() -> None:
     assert "leaked shared_memory" not in engine.stderr  # the segment is not the tracker's
     if "Timeout (" in engine.stderr:  # the contract held, but through the watchdog
         warnings.warn(f"a child's orderly stop hung:\n{engine.stderr[-4000:]}", stacklevel=1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_an_http_servers_access_log_blocks_nothing_after_the_launchers_kill() -> None:
+    """At --log-level debug uvicorn logs every request, and it logged them to the launcher's
+    stdout, a pipe that ``EngineProcess`` reads only to the ready line: some 600 requests
+    filled it and the server hung in a write (before and after a ``kill -9`` of the launcher,
+    when only its watchdog ended it). The children write to stderr."""
+    engine = EngineProcess.start([*MODEL_FLAGS, "--port", "0", "--log-level", "debug"], timeout=120)
+    try:
+        fields = engine.ready_fields
+        names = {int(pid): name for name, pid in fields.items() if name.startswith("api_server")}
+        names |= {engine.scheduler_pid: "scheduler", engine.worker_pid: "worker"}
+        children = {pid: process_start_time(pid) for pid in names}
+        with httpx.Client(base_url=engine.http_url, timeout=JOB_FAILURE_S) as http:
+            for _ in range(1500):  # some 150 KB of access log: twice a pipe's buffer
+                assert http.get("/health").status_code == 200
+        launcher = engine.process.pid
+        os.kill(launcher, signal.SIGKILL)
+        engine.process.wait()
+        alive = {
+            names[pid]: status for pid, status in _wait_until_gone(children, ORPHAN_EXIT_S).items()
+        }
+        assert not alive, f"children outlived the launcher: {alive}\n{engine.stderr[-4000:]}"
+        assert "Timeout (" not in engine.stderr, engine.stderr[-4000:]  # no watchdog needed
+        assert not leftover_segments(launcher)
+    finally:
+        engine.close()
 
 
 _HANGING_CHILD = """
