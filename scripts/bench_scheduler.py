@@ -27,6 +27,7 @@ import select
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -78,11 +79,54 @@ SCHEMA = json.dumps(
 
 
 def load_tokenizer(path: str) -> Any:
+    """A Hugging Face tokenizer (a folder or a tokenizer.json), or ``synthetic:N``: a
+    byte-level BPE of N tokens trained on this Python's own sources, for machines without a
+    real one (Llama 3's size is 128000 and some: ``synthetic:128000``)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if path.startswith("synthetic:"):
+        path = str(synthetic_tokenizer(int(path.removeprefix("synthetic:"))))
     if path.endswith(".json"):
         return PreTrainedTokenizerFast(tokenizer_file=path)
     return AutoTokenizer.from_pretrained(path)
+
+
+def synthetic_tokenizer(size: int) -> Path:
+    """A tokenizer.json of ``size`` tokens, trained once (tens of seconds) and kept in the
+    system's temporary folder."""
+    import sysconfig
+    import tempfile
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = Path(tempfile.gettempdir()) / f"cbpipe-synthetic-tokenizer-{size}.json"
+    if path.exists():
+        return path
+    paths = sysconfig.get_paths()
+    folders = sorted({Path(paths["stdlib"]), Path(paths["purelib"])})
+    sources = sorted(f for folder in folders for f in folder.rglob("*.py"))
+
+    def texts(limit: int = 150_000_000) -> Any:
+        total = 0
+        for source in sources:
+            text = source.read_text(errors="ignore")
+            total += len(text)
+            yield text
+            if total > limit:
+                return
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts(), trainer)
+    tokenizer.save(str(path))
+    return path
 
 
 def sample_from_masks(
@@ -120,7 +164,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--structured", type=float, default=0.0, help="fraction of requests under a JSON schema"
     )
-    p.add_argument("--tokenizer", help="a Hugging Face tokenizer (folder or tokenizer.json)")
+    p.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer (a folder or a tokenizer.json), or synthetic:N (a "
+        "byte-level BPE of N tokens trained here on Python's sources)",
+    )
     p.add_argument(
         "--gc",
         choices=("paced", "default"),

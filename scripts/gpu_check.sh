@@ -35,7 +35,10 @@
 #   hostcpu  the host's CPU against the scheduler's: lscpu, then scripts/bench_scheduler.py at the
 #            1B bench's shape (256 sequences, 128 + 1024 tokens) HOSTCPU_RUNS times: the
 #            scheduler's CPU a step on this host without a GPU, to set beside the bench part's
-#            "sched. CPU ms/step" (wall time in the engine; its trace is in traces1b_256) (~1 min)
+#            "sched. CPU ms/step" (wall time in the engine; its trace is in traces1b_256) (~1 min);
+#            HOSTCPU_STRUCTURED="0.25 1.0" also runs it with those fractions of the requests
+#            under a JSON schema (structured output), on a BPE of 128000 tokens trained on the
+#            host's Python sources (+1-3 min)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync, with the default flags (the decode forward compiled:
 #            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
@@ -420,6 +423,14 @@ if want hostcpu; then
             section "bench_scheduler.py at the 1B bench's shape, run $run"
             "$PY" scripts/bench_scheduler.py --num-requests 256 --max-num-seqs 256 \
                 --prompt-len 128 128 --output-len "$output_len" "$output_len" \
+                | grep -E "decode-only|with prefill"
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+        for fraction in ${HOSTCPU_STRUCTURED:-}; do
+            section "bench_scheduler.py at the 1B bench's shape, $fraction under a JSON schema"
+            "$PY" scripts/bench_scheduler.py --num-requests 768 --max-num-seqs 256 \
+                --prompt-len 128 128 --output-len "$output_len" "$output_len" \
+                --structured "$fraction" --tokenizer synthetic:128000 \
                 | grep -E "decode-only|with prefill"
             echo "exit code ${PIPESTATUS[0]}"
         done

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -339,6 +340,35 @@ def http_engine(engine_pool: EnginePool) -> EngineRun:
 def http_tiny_engine(engine_pool: EnginePool) -> EngineRun:
     """random:qwen2-tiny (no tokenizer) behind two HTTP server processes, no key."""
     return engine_pool.shared("http_tiny_engine")
+
+
+@pytest.fixture(scope="module")
+def api(http_engine: EngineRun) -> Any:
+    """The ``openai`` package's client of ``http_engine``."""
+    import openai
+
+    from tests.integration.helpers import RESULT_TIMEOUT_S
+
+    return openai.OpenAI(
+        base_url=http_engine.http_url + "/v1",
+        api_key=HTTP_API_KEY,
+        max_retries=0,
+        timeout=RESULT_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def http(http_engine: EngineRun) -> Iterator[Any]:
+    """An ``httpx`` client of ``http_engine``, with its key, for raw requests."""
+    import httpx
+
+    from tests.integration.helpers import RESULT_TIMEOUT_S
+
+    headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
+    with httpx.Client(
+        base_url=http_engine.http_url, headers=headers, timeout=RESULT_TIMEOUT_S
+    ) as client:
+        yield client
 
 
 @pytest.fixture

@@ -42,16 +42,6 @@ MODEL = HTTP_MODEL_NAME
 
 
 @pytest.fixture(scope="module")
-def api(http_engine: EngineRun) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=http_engine.http_url + "/v1",
-        api_key=HTTP_API_KEY,
-        max_retries=0,
-        timeout=RESULT_TIMEOUT_S,
-    )
-
-
-@pytest.fixture(scope="module")
 def tiny_api(http_tiny_engine: EngineRun) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=http_tiny_engine.http_url + "/v1",
@@ -59,15 +49,6 @@ def tiny_api(http_tiny_engine: EngineRun) -> openai.OpenAI:
         max_retries=0,
         timeout=RESULT_TIMEOUT_S,
     )
-
-
-@pytest.fixture(scope="module")
-def http(http_engine: EngineRun) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
-    with httpx.Client(
-        base_url=http_engine.http_url, headers=headers, timeout=RESULT_TIMEOUT_S
-    ) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

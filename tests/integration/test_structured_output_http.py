@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import HTTP_API_KEY, HTTP_MODEL_NAME, EngineRun
-from tests.integration.helpers import RESULT_TIMEOUT_S
+from tests.integration.conftest import HTTP_MODEL_NAME
 
 MODEL = HTTP_MODEL_NAME
 MAX_TOKENS = 64  # far more than any constraint here needs
@@ -54,25 +52,6 @@ TOOLS: Any = [
     {"type": "function", "function": {"name": "get_hour", "parameters": HOUR}},
 ]
 PARAMETERS = {"get_weather": CITY, "get_hour": HOUR}
-
-
-@pytest.fixture(scope="module")
-def api(http_engine: EngineRun) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=http_engine.http_url + "/v1",
-        api_key=HTTP_API_KEY,
-        max_retries=0,
-        timeout=RESULT_TIMEOUT_S,
-    )
-
-
-@pytest.fixture(scope="module")
-def http(http_engine: EngineRun) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {HTTP_API_KEY}"}
-    with httpx.Client(
-        base_url=http_engine.http_url, headers=headers, timeout=RESULT_TIMEOUT_S
-    ) as client:
-        yield client
 
 
 def follows(value: Any, schema: dict[str, Any]) -> bool:
