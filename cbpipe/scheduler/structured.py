@@ -7,9 +7,10 @@ grammar text and checks it once per job; each sample follows its outputs with a
 into the slot (``StepExtras.token_masks``, llguidance's bit layout), on llguidance's threads.
 
 Why a constrained request never carries a token over: its mask for step N+1 depends on the
-token step N samples, which the scheduler learns only after it has packed N+1. So it samples
-in every other step of the asynchronous loop (``core.Scheduler``), with its mask computed
-from every token it has, while the requests beside it keep the overlap.
+token step N samples, which the scheduler learns only after it has packed N+1 (and N+2, with
+three steps in flight). So it samples in one step of every ``--steps-in-flight`` while the
+pipeline is full (``core.Scheduler``), with its mask computed from every token it has, while
+the requests beside it keep the overlap.
 """
 
 from __future__ import annotations
