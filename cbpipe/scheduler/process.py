@@ -44,6 +44,8 @@ _FRAME_BASE = 64 * 1024
 _FRAME_PER_TOKEN = 64
 # Between the worker and the scheduler: a few hundred bytes a message.
 WORKER_MAXMSGSIZE = 64 * 1024
+# How long a closing socket may still deliver its last frames (errors, finishes).
+SOCKET_LINGER_MS = 500
 
 
 def frame_limit(max_model_len: int) -> int:
@@ -57,6 +59,10 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
     message and the worker is told to stop; the exit code says whether it was a failure."""
     setup_logging(spec.config.log_level, "scheduler")
     context = zmq.Context()
+    # The default for every socket of the context, from its making: a linger given to
+    # close() once the context is ending is refused (silently), and ZeroMQ's own default
+    # waits for ever for frames to a peer that is gone.
+    context.setsockopt(zmq.LINGER, SOCKET_LINGER_MS)
     try:
         sockets = EngineSockets.bind(context, spec)
     except BindError as exc:  # the launcher says so
@@ -173,7 +179,7 @@ class EngineSockets:
         self.results.disable_monitor()
         self.monitor.close(linger=0)
         for socket in (self.clients, self.steps, self.results):
-            socket.close(linger=500)  # lets final replies (errors, finishes) go out
+            socket.close(linger=SOCKET_LINGER_MS)  # lets final replies go out
         if self.authenticator is not None:
             self.authenticator.stop()
 
