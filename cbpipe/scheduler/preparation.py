@@ -39,6 +39,10 @@ class Preparation:
         self._done: queue.SimpleQueue[tuple[Hashable, Future[Prepared]]] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
+        # A full pipe already wakes the loop: a write that would block has nothing to add,
+        # and a blocking one would stop whoever finishes a job (the loop's thread, when
+        # close() cancels the queue) until the loop reads.
+        os.set_blocking(self._wake_write, False)
         # A prompt may finish after close(), when the pipe's descriptors may already name
         # another file: the lock and flag keep its wake-up from being written there.
         self._closing = threading.Lock()
@@ -85,4 +89,5 @@ class Preparation:
         self._done.put((key, future))
         with self._closing:
             if not self._closed:
-                os.write(self._wake_write, b"x")
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_write, b"x")

@@ -101,3 +101,19 @@ def test_close_does_not_wait_for_queued_prompts(tokenizer: GatedTokenizer) -> No
     assert not tokenizer.gave_up, "close() waited for the prompt being tokenized"
     tokenizer.gate.set()  # it finishes now, with nowhere to report to
     assert len(tokenizer.threads) == 1, "queued prompts were tokenized after close()"
+
+
+def test_a_full_wake_up_pipe_never_blocks(tokenizer: GatedTokenizer) -> None:
+    """More jobs done than the pipe holds bytes (65,536 on Linux): the wake-ups past that are
+    dropped, not waited for, so close() (which cancels the queue, each cancellation a wake-up,
+    on the caller's thread) returns."""
+    prompts = Preparation(tokenizer, max_tokens=5)
+    prompts.submit("gated", "ab")  # holds the thread, so the rest stay queued
+    count = 70_000
+    for key in range(count):
+        prompts.submit(key, [1])
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (prompts.close(), closed.set()), daemon=True)
+    closer.start()
+    assert closed.wait(WAIT_S), "close() blocked on a full pipe"
+    tokenizer.gate.set()
