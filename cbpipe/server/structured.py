@@ -128,7 +128,7 @@ def _json(schema: Any, param: str) -> Constraint:
             parsed = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise APIError(400, f"{param} is not valid JSON: {exc}", param=param) from None
-        if not isinstance(parsed, (dict, bool)):
+        if not isinstance(parsed, dict):  # as the engine: a boolean schema is refused too
             message = f"{param} must be a JSON schema (an object), got {type(parsed).__name__}"
             raise APIError(400, message, param=param)
         text = schema

@@ -113,6 +113,7 @@ def test_each_field_reaches_the_engine_as_one_structured_output(
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json",
          "is not valid JSON"),
         ({"guided_json": "[1, 2]"}, "guided_json", "must be a JSON schema (an object), got list"),
+        ({"guided_json": "true"}, "guided_json", "must be a JSON schema (an object), got bool"),
         ({"guided_json": 5}, "guided_json", "a JSON schema: an object, or its JSON text"),
         ({"guided_regex": ""}, "guided_regex", "must be a non-empty regular expression"),
         ({"guided_regex": "a" * (MAX_STRUCTURED_CHARS + 1)}, "guided_regex",
