@@ -313,5 +313,7 @@ def _uniform(seed: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torc
     token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     x = _mix32(key[:, None] ^ ((token * _TOKEN_MUL) & _MASK32)[None, :])
     x = _mix32(x ^ key[:, None])
-    # 24 random bits, centred in their interval so 0 and 1 never occur.
-    return ((x >> 8).float() + 0.5) / float(1 << 24)
+    # 23 random bits, centred in their interval so 0 and 1 never occur: k + 0.5 for k below
+    # 2**23 is exact in float32, where with 24 bits 2**24 - 0.5 rounded up to 2**24 and u to
+    # 1, whose Gumbel noise of +inf drew a token whatever its logit, a masked one included.
+    return ((x >> 9).float() + 0.5) / float(1 << 23)
