@@ -192,7 +192,7 @@ class InProcessEngine:
         self._next_id += 1
         grammar = None
         if params.structured_output is not None:
-            grammar = self.grammars.follow(self.grammars.compile(params.structured_output))
+            grammar = self.grammars.start(params.structured_output)
         req = Request(
             request_id=self._next_id,
             prompt_token_ids=list(prompt),

@@ -374,7 +374,7 @@ class Frontend:
         spec = params.structured_output
         assert spec is not None and isinstance(self.grammars, Grammars)  # _check_params
         try:
-            first = self.grammars.follow(self.grammars.compile(spec))
+            first = self.grammars.start(spec)
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         return [first, *(first.copy() for _ in range(params.n - 1))]

@@ -207,6 +207,14 @@ class Request:
             self.pending_seq_index = None
         self.output_token_ids.append(token_id)
         self.num_known_tokens += 1
+        if self.grammar is not None and self.grammar.failed:
+            # Its mask meant nothing (an EOS drawn from it is no whole match): an error.
+            log.error(
+                "request %d: structured output's grammar failed: %s",
+                self.request_id,
+                self.grammar.error,
+            )
+            return RequestStatus.FINISHED_ERROR
         if self.ends_on(token_id, len(self.output_token_ids)):
             # vLLM's: EOS (checked first) has no stop reason; a stop token is its own.
             at_eos = token_id in self.eos_token_ids and not self.params.ignore_eos

@@ -66,6 +66,24 @@ class Grammars:
             raise ValueError(f"invalid structured_output.{spec.kind}: {error.strip()}")
         return grammar
 
+    def start(self, spec: StructuredOutput) -> TokenGrammar:
+        """A matcher at the start of ``spec``'s grammar, tried first on a copy: its first mask
+        computed and one token it allows taken. llguidance builds its lexer lazily, and a
+        constraint too complex for it (a regular expression of a million states, say) fails
+        there, which must be a refusal now, on the preparation thread, and not a sample's
+        end on the step loop (a constraint that fails later still ends its sample as an
+        error, ``Request.accept_sampled``)."""
+        first = self.follow(self.compile(spec))
+        trial = first.copy()
+        bits = np.frombuffer(trial.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+        if len(allowed) and not trial.failed:
+            trial.accept(int(allowed[0]))
+        if trial.failed:
+            error = trial.error.strip().splitlines()[0]
+            raise ValueError(f"structured_output.{spec.kind} is too complex to follow: {error}")
+        return first
+
     def follow(self, grammar: str) -> TokenGrammar:
         """A matcher at the start of ``grammar`` (from ``compile``), for one sample."""
         from llguidance import LLMatcher
@@ -126,6 +144,11 @@ class TokenGrammar:
     def is_complete(self) -> bool:
         """No token may follow but EOS: the text is a whole match."""
         return bool(self.matcher.is_stopped())
+
+    @property
+    def failed(self) -> bool:
+        """llguidance gave up on it (a lexer too complex, say): its masks mean nothing."""
+        return bool(self.matcher.is_error())
 
     @property
     def error(self) -> str:

@@ -95,3 +95,33 @@ def test_llguidances_tokenizer_is_built_at_start_up_not_at_the_first_request() -
     assert built._tokenizer is not None  # built before serving: 2-5 s at 128 k tokens
     _, reason = _load_text_tools(resolve_model("random:qwen2-tiny"), 512)
     assert reason == "the model has no tokenizer: structured output needs one"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput(regex="(a{1000}){1000}"),
+        StructuredOutput(json='{"type": "string", "pattern": "^(a{1000}){1000}$"}'),
+        StructuredOutput(grammar="start: /(a{1000}){1000}/"),
+    ],
+)
+def test_a_constraint_too_complex_to_follow_is_refused_before_it_runs(
+    spec: StructuredOutput,
+) -> None:
+    """It compiles, but llguidance's lexer gives up at the first mask: a refusal naming it
+    (it was a sample's silent end, an EOS drawn from a mask that meant nothing)."""
+    with pytest.raises(ValueError, match="too complex to follow: .*"):
+        grammars().start(spec)
+    assert not grammars().start(StructuredOutput(regex="a{3}")).failed
+
+
+def test_a_grammar_that_fails_mid_sample_ends_it_as_an_error() -> None:
+    from cbpipe.protocol.sampling import SamplingParams
+    from cbpipe.scheduler.request import Request, RequestStatus
+
+    grammar = grammars().start(StructuredOutput(regex="[0-9]+"))
+    req = Request(1, [5], SamplingParams(8), 1, 64, frozenset({EOS}), grammar=grammar)
+    req.num_pending_tokens = 1
+    assert not grammar.accept(7)  # a token its mask would not allow: the matcher fails
+    assert grammar.failed
+    assert req.accept_sampled(EOS) is RequestStatus.FINISHED_ERROR  # not a "stop"
