@@ -45,8 +45,9 @@ class StructuredOutputUnavailable(ValueError):
 
 
 class Grammars:
-    """Compiles constraints for one model's tokenizer; llguidance's view of the tokenizer
-    (every token's bytes) is built on first use, as vLLM builds its backend's."""
+    """Compiles constraints for one model's tokenizer. llguidance's view of the tokenizer
+    (every token's bytes) is built by ``llg_tokenizer``: the scheduler calls it at start-up
+    (``process._load_text_tools``); tests and benchmarks leave it to the first constraint."""
 
     def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: Iterable[int]):
         self._hf_tokenizer = tokenizer
