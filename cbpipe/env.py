@@ -18,3 +18,25 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "cbpipe"
+
+
+def profile_steps() -> tuple[int, int] | None:
+    """``CBPIPE_PROFILE_STEPS``: ``first-last`` (or one step), the steps a worker runs under
+    torch's profiler (``worker/step_profiler.py``); unset, none."""
+    value = os.environ.get("CBPIPE_PROFILE_STEPS", "").strip()
+    if not value:
+        return None
+    first, _, last = value.partition("-")
+    try:
+        span = int(first), int(last or first)
+    except ValueError:
+        expected = "expected FIRST-LAST, e.g. 8-14"
+        raise ValueError(f"CBPIPE_PROFILE_STEPS={value!r}: {expected}") from None
+    if span[0] > span[1]:
+        raise ValueError(f"CBPIPE_PROFILE_STEPS={value!r}: the first step comes after the last")
+    return span
+
+
+def profile_dir() -> Path:
+    """``CBPIPE_PROFILE_DIR``: where the step profiler writes; the working directory if unset."""
+    return Path(os.environ.get("CBPIPE_PROFILE_DIR") or ".")

@@ -57,6 +57,7 @@ from cbpipe.worker.model_loader import (
 from cbpipe.worker.runner import LaunchedStep, StepRunner, logits_width
 from cbpipe.worker.sampling_state import SamplingState
 from cbpipe.worker.saved_traces import SavedTraces, traces_are_supported
+from cbpipe.worker.step_profiler import StepProfiler
 from cbpipe.worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger("cbpipe.worker")
@@ -310,6 +311,7 @@ def _keep_beating(beat: Callable[[], None]) -> None:
 
 
 def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
+    profiler = StepProfiler.from_env()
     collector = CollectorPacing()
     collector.start()
     try:
@@ -323,7 +325,11 @@ def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
                 log.info("shutdown requested")
                 return
             assert isinstance(message, Step)
+            if profiler is not None:
+                profiler.before_launch(message.step)
             outbox.put(runner.launch(message))
+            if profiler is not None:
+                profiler.after_launch(message.step)
             collector.between_steps()
     finally:
         collector.stop()
