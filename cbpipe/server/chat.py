@@ -41,7 +41,7 @@ async def create_chat_completion(
 ) -> Response:
     state.check_model(body.model)
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:  # 0 asks for nothing: accepted, as vLLM does
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     use = tool_use(body, state.tool_parser)
     constraint = only_one([None if use is None else use.constraint, requested_constraint(body)])

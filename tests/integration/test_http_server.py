@@ -587,6 +587,14 @@ def test_bad_chat_requests_are_400s(http: httpx.Client, body: dict[str, Any], pa
     assert error_of(response)["param"] == param
 
 
+def test_top_logprobs_of_0_without_logprobs_asks_for_nothing(http: httpx.Client) -> None:
+    """vLLM accepts it (only a positive count needs ``logprobs: true``); clients send it."""
+    body = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0, "max_tokens": 2}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
+
+
 def test_max_tokens_that_would_pass_the_models_length_is_a_400_saying_so(
     http: httpx.Client,
 ) -> None:
