@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import numbers
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -195,13 +196,19 @@ def structured_output_of(given: object) -> StructuredOutput | None:
 
 
 def prompt_payload(prompt: object) -> str | list[int]:
-    """A text prompt as is, or token ids as a list; anything else is a ``RequestError``."""
+    """A text prompt as is, or token ids as a list of Python ints (from any sequence of
+    integers, numpy's and torch's among them, or a one-dimensional array or tensor, as a
+    tokenizer returns them); anything else is a ``RequestError``."""
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-        token_ids = list(prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            return token_ids
+    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
+        prompt = prompt.tolist()  # an array or tensor: its elements as Python numbers
+    if (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, (bytes, bytearray))
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+    ):
+        return [int(t) for t in prompt]
     raise RequestError("a prompt must be a string or a list of integer token ids")
 
 
