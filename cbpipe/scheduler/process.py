@@ -162,8 +162,13 @@ class EngineSockets:
         steps.bind(spec.addresses.worker_steps)
         results = context.socket(zmq.PULL)
         results.setsockopt(zmq.MAXMSGSIZE, WORKER_MAXMSGSIZE)
-        results.bind(spec.addresses.worker_results)
+        # The monitor before the bind: the workers start first and retry their connection
+        # until the socket exists, and an acceptance before the monitor is reported to no one.
+        # The loop takes the first connections it hears of for the workers', so the first
+        # other one (a stray process's) was taken for the worker's, and its end for the
+        # worker's exit: the engine stopped.
         monitor = results.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        results.bind(spec.addresses.worker_results)
         return cls(clients, steps, results, monitor, authenticator)
 
     def close(self) -> None:
