@@ -7,6 +7,7 @@ the previous one still runs, and the device never waits for the worker's Python.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -70,6 +71,7 @@ IDLE_MS = 100  # no step for this long: the worker is idle
 # no room for are not started.
 COMPILE_AHEAD_PROCESSES = len(ahead_variants(full_sampling=True))
 HEARTBEAT_PERIOD_S = 0.1
+RESULTS_LINGER_MS = 1000  # for the last reports to reach the scheduler as the worker stops
 
 
 def worker_main(spec: RunSpec, ready: Connection, rank: int = 0) -> None:
@@ -342,15 +344,27 @@ def _send_completions(
     (``reports_steps``: rank 0; the other ranks wait for each step too, so that a device
     failure surfaces here, but send only their handshake and failures)."""
     results = context.socket(zmq.PUSH)
+    # Set now: once the context is ending, ZeroMQ refuses every option, and close(linger=...)
+    # ignores that refusal, so the socket would keep the default (wait for ever).
+    results.setsockopt(zmq.LINGER, RESULTS_LINGER_MS)
     results.connect(address)
     try:
         while (item := outbox.get()) is not _STOP:
             message: Message = item.wait() if isinstance(item, LaunchedStep) else item
             if reports_steps or not isinstance(message, StepDone):
                 results.send(seal(token, encode(message)))
+    except zmq.ContextTerminated:
+        # The main thread stopped waiting for this one (a send blocked on a scheduler that is
+        # gone, a step still running) and ended the context, whose term() waits for this
+        # socket: close it. A second send here raised again and left the socket open, and
+        # term() never returned.
+        results.close()
+        return
     except Exception as exc:
         log.exception("step failed on the device")
-        results.send(seal(token, encode(WorkerFailed(f"{type(exc).__name__}: {exc}"))))
-        results.close(linger=1000)
+        with contextlib.suppress(zmq.ZMQError):  # never blocks: the exit below must come
+            failed = WorkerFailed(f"{type(exc).__name__}: {exc}")
+            results.send(seal(token, encode(failed)), flags=zmq.NOBLOCK)
+        results.close()
         os._exit(1)  # the main thread may be blocked on a receive; the launcher notices
-    results.close(linger=1000)
+    results.close()
