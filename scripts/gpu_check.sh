@@ -45,6 +45,12 @@
 #            mode starts its own engine, so the second reads the cache the first wrote; with
 #            BENCH_EXTRA=--launch-arg=--log-level=info each engine's start-up breakdown is
 #            printed)                                                            (~3-6 min)
+#   ramp     the bench part's random:llama-1b x256 run, async, with the worker's step profiler
+#            (CBPIPE_PROFILE_STEPS) over RAMP_STEPS (8-20: the ramp's prefill and mixed steps,
+#            then decode steps from graphs; the warm-up request takes the first steps): each
+#            step's launch summarised by scripts/profile_summary.py in ramp_profile.txt (host
+#            time, its kernels' device time, the Python calls and operators under it), the
+#            packed trace in ramp_profile/, the step trace in traces_ramp      (~2 min)
 #   startup  warm start-ups of STARTUP_MODEL: one launch to warm the compile cache, then
 #            STARTUP_REPEATS rounds that launch once with each of STARTUP_VARIANTS (launch
 #            arguments, ";" between variants, an empty one the defaults), each serving 4 short
@@ -453,6 +459,21 @@ if want bench; then
         fi
     } 2>&1 | tee "$OUT/bench.log"
     rcs+=("bench=$(grep '^exit code' "$OUT/bench.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want ramp; then
+    {
+        : "${RAMP_STEPS:=8-20}"
+        CBPIPE_PROFILE_STEPS=$RAMP_STEPS CBPIPE_PROFILE_DIR="$OUT/ramp_profile" BENCH_MODES=async \
+            bench ramp1b --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
+            --prompt-len 128 --output-len "$output_len" --trace-dir "$OUT/traces_ramp"
+        echo "exit code $?"
+        "$PY" scripts/profile_summary.py "$OUT/ramp_profile/steps_$RAMP_STEPS.json.gz" \
+            --top 25 >"$OUT/ramp_profile.txt"
+        echo "exit code $?"
+        head -3 "$OUT/ramp_profile.txt"
+    } 2>&1 | tee "$OUT/ramp.log"
+    rcs+=("ramp=$(grep '^exit code' "$OUT/ramp.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want startup; then
