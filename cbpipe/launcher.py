@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from cbpipe import config as config_module
+from cbpipe import env
 from cbpipe.config import EngineConfig
 from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent, fork_is_safe, process_age_s
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_module.from_arguments(parse_args(parser, argv))
     try:
         config.validate()
+        env.profile_steps()  # read by the workers after their start: refused here, not there
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(config.log_level, "launcher")

@@ -123,6 +123,17 @@ def test_a_bad_command_line_gets_the_short_usage_and_its_error(
     assert message.startswith("cbpipe-launch: error: ") and error in message
 
 
+def test_a_bad_profile_span_is_refused_at_the_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers read it after their start; a typo must not cost a model's load first."""
+    monkeypatch.setenv("CBPIPE_PROFILE_STEPS", "20-8")
+    with pytest.raises(SystemExit) as exited:
+        launcher.main([])
+    assert exited.value.code == 2
+    assert "CBPIPE_PROFILE_STEPS='20-8'" in capsys.readouterr().err
+
+
 def _deaf_to_sigterm(deaf: Any) -> None:
     import signal
     import time
