@@ -10,7 +10,6 @@ slows the host several-fold while it runs; compare shares, not absolute times.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import time
 from dataclasses import dataclass, field
@@ -60,11 +59,7 @@ class StepProfiler:
         start = time.perf_counter()
         self.folder.mkdir(parents=True, exist_ok=True)
         name = f"steps_{self.first}-{self.last}"
-        chrome = self.folder / f"{name}.json"
-        profile.export_chrome_trace(str(chrome))
-        with open(chrome, "rb") as raw, gzip.open(f"{chrome}.gz", "wb") as packed:
-            packed.write(raw.read())
-        chrome.unlink()
+        profile.export_chrome_trace(str(self.folder / f"{name}.json.gz"))  # .gz: torch packs it
         table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
         (self.folder / f"{name}.txt").write_text(table)
         log.info(
