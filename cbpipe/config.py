@@ -100,8 +100,9 @@ class SchedulerConfig:
     )
     step_timeout_s: float = _opt(
         10.0,
-        "a step the worker has not finished after this long, or after 20 times the slowest "
-        "recent step if that is longer, fails the engine (a hung device)",
+        "a step the worker has not finished after this long, or after 20 times what the "
+        "recent steps took scaled to its rows if that is longer, fails the engine (a hung "
+        "device)",
     )
     max_waiting_requests: int = _opt(
         65536, "requests queued beyond this are refused as busy (clients get EngineBusy)"

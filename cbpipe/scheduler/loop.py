@@ -47,9 +47,9 @@ POLL_MS = 100
 # device idle for tens of milliseconds before its first step (docs/PERFORMANCE.md).
 MESSAGE_SLICE_S = 0.005
 MAX_MESSAGES_PER_POLL = 1024
-# A step may take this many times the slowest recent step before the worker is declared
-# stuck (and never less than the configured minimum): generous, since a stuck worker is rare
-# and a false alarm ends the engine.
+# A step may take this many times what the recent steps say it should (and never less than
+# the configured minimum) before the worker is declared stuck: generous, since a stuck worker
+# is rare and a false alarm ends the engine.
 STEP_DEADLINE_FACTOR = 20.0
 _RECENT_STEPS = 64
 
@@ -69,24 +69,31 @@ class Liveness:
 
 
 class StepDeadline:
-    """When a step in flight counts as lost: ``STEP_DEADLINE_FACTOR`` times the slowest of
-    the last steps' round trips, and at least the configured minimum. Until a step has come
-    back there is nothing to go by (a large model on a CPU takes minutes a step), so the
-    first wait is as long as start-up may be."""
+    """When a step in flight counts as lost: ``STEP_DEADLINE_FACTOR`` times the longest that
+    one of the last steps' round trips implies for a step of its size, and at least the
+    configured minimum.
+
+    A step of more rows than a recent one may take as many times longer: on a CPU a step's
+    time grows with its rows, and a burst of prompts after a few single decodes makes a
+    step hundreds of times longer than any before it, which is no sign of a stuck worker.
+    Fewer rows take no less (a step has a fixed part). Until a step has come back there is
+    nothing to go by (a large model on a CPU takes minutes a step), so the first wait is as
+    long as start-up may be."""
 
     def __init__(self, min_timeout_s: float, first_timeout_s: float) -> None:
         self.min_timeout_s = min_timeout_s
         self.first_timeout_s = first_timeout_s
-        self._recent_s: deque[float] = deque(maxlen=_RECENT_STEPS)
+        self._recent: deque[tuple[float, int]] = deque(maxlen=_RECENT_STEPS)
 
-    def record(self, round_trip_s: float) -> None:
-        self._recent_s.append(round_trip_s)
+    def record(self, round_trip_s: float, num_tokens: int) -> None:
+        self._recent.append((round_trip_s, max(1, num_tokens)))
 
-    @property
-    def timeout_s(self) -> float:
-        if not self._recent_s:
+    def timeout_s(self, num_tokens: int) -> float:
+        """How long a step of ``num_tokens`` rows may take."""
+        if not self._recent:
             return max(self.min_timeout_s, self.first_timeout_s)
-        return max(self.min_timeout_s, STEP_DEADLINE_FACTOR * max(self._recent_s))
+        expected = max(s * max(1.0, num_tokens / n) for s, n in self._recent)
+        return max(self.min_timeout_s, STEP_DEADLINE_FACTOR * expected)
 
 
 @dataclass
@@ -96,6 +103,7 @@ class InFlight:
     slot: int
     schedule_start_ns: int
     sent_ns: int
+    timeout_s: float | None = None  # the step deadline's, set at the first check
 
 
 @dataclass
@@ -267,13 +275,16 @@ class EngineLoop:
                 )
         if self.in_flight:
             oldest = self.in_flight[0]
+            if oldest.timeout_s is None:
+                oldest.timeout_s = self.deadline.timeout_s(oldest.step.num_tokens)
             waited_s = (time.perf_counter_ns() - oldest.sent_ns) / 1e9
-            if waited_s > self.deadline.timeout_s:
+            if waited_s > oldest.timeout_s:
                 raise WorkerLost(
-                    f"the worker has not finished step {oldest.plan.step} after {waited_s:.1f} s "
-                    f"(deadline {self.deadline.timeout_s:.1f} s: --step-timeout-s "
-                    f"{self.deadline.min_timeout_s:g}, or {STEP_DEADLINE_FACTOR:g} times the "
-                    "slowest recent step)"
+                    f"the worker has not finished step {oldest.plan.step} "
+                    f"({oldest.step.num_tokens} tokens) after {waited_s:.1f} s (deadline "
+                    f"{oldest.timeout_s:.1f} s: --step-timeout-s "
+                    f"{self.deadline.min_timeout_s:g}, or {STEP_DEADLINE_FACTOR:g} times what "
+                    "the recent steps took for their tokens)"
                 )
 
     def _poll(self, timeout_ms: int) -> None:
@@ -308,7 +319,7 @@ class EngineLoop:
             raise WorkerLost(f"worker reported step {message.step} out of order")
         done_recv_ns = time.perf_counter_ns()
         done = self.in_flight.popleft()
-        self.deadline.record((done_recv_ns - done.sent_ns) / 1e9)
+        self.deadline.record((done_recv_ns - done.sent_ns) / 1e9, done.step.num_tokens)
         output = self.packer.read_output(done.slot, done.step)
         updates = self.scheduler.update(done.plan, output)
         update_end_ns = time.perf_counter_ns()

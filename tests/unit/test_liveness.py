@@ -31,11 +31,29 @@ def test_heartbeats_are_per_process_and_age() -> None:
 
 def test_step_deadline_follows_the_slowest_recent_step() -> None:
     deadline = StepDeadline(min_timeout_s=10.0, first_timeout_s=600.0)
-    assert deadline.timeout_s == 600.0  # nothing to go by before the first step
-    deadline.record(0.003)
-    assert deadline.timeout_s == 10.0
-    deadline.record(2.0)  # say, a CPU step of a large model
-    assert deadline.timeout_s == STEP_DEADLINE_FACTOR * 2.0
+    assert deadline.timeout_s(1) == 600.0  # nothing to go by before the first step
+    deadline.record(0.003, 1)
+    assert deadline.timeout_s(1) == 10.0
+    deadline.record(2.0, 1)  # say, a CPU step of a large model
+    assert deadline.timeout_s(1) == STEP_DEADLINE_FACTOR * 2.0
+
+
+def test_step_deadline_grows_with_the_steps_rows() -> None:
+    """A burst of prompts on a CPU: a step of 2,048 rows after warm-up steps of one row took
+    50 s, 30 times the slowest of them, and the engine was failed as stuck."""
+    deadline = StepDeadline(min_timeout_s=10.0, first_timeout_s=600.0)
+    deadline.record(1.7, 16)
+    deadline.record(0.2, 1)
+    # The single row's 0.2 s says more of 2,048 rows than the 16 rows' 1.7 s do.
+    assert deadline.timeout_s(2048) == pytest.approx(STEP_DEADLINE_FACTOR * 0.2 * 2048)
+    # Fewer rows than a recent step are allowed as long as it took, no less.
+    assert deadline.timeout_s(4) == pytest.approx(STEP_DEADLINE_FACTOR * 1.7)
+    # On a GPU: a prefill step of 8,192 rows after decode steps of 32 at 5 ms.
+    gpu = StepDeadline(min_timeout_s=10.0, first_timeout_s=600.0)
+    for _ in range(64):
+        gpu.record(0.005, 32)
+    assert gpu.timeout_s(32) == 10.0
+    assert gpu.timeout_s(8192) == pytest.approx(STEP_DEADLINE_FACTOR * 0.005 * 256)
 
 
 def dead_pid() -> int:
