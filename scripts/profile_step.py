@@ -170,7 +170,7 @@ def main() -> None:
         runner_module.compile_layers = _compile_whole
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    use_blas_library(args.blas_library, device)
+    blas = use_blas_library(args.blas_library, device)
     model, paged = load_paged_model(resolve_model(args.model), device, dtype,
                                     fuse=args.fuse_projections)  # fmt: skip
     bs = args.block_size
@@ -199,7 +199,7 @@ def main() -> None:
                         prefill_kernel=prefill_kernel,
                         graph_batch_sizes=batch_sizes if graphs else (),
                         compile_decode=args.compile_decode and graphs,
-                        full_sampling_graphs=args.full_graphs)  # fmt: skip
+                        full_sampling_graphs=args.full_graphs, blas=blas)  # fmt: skip
     grown_gib = 0.0
     if device.type == "cuda":
         grown_gib = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**30

@@ -133,7 +133,7 @@ class InProcessEngine:
     _grammars: Grammars | None = None
 
     def __post_init__(self) -> None:
-        use_blas_library(self.blas_library, self.device)
+        blas = use_blas_library(self.blas_library, self.device)
         model, paged = paged_model(
             self.model_name, self.device, self.dtype, self.fuse_projections, self.max_model_len
         )
@@ -171,6 +171,7 @@ class InProcessEngine:
             full_sampling_graphs=self.full_sampling_graphs,
             before_sampler_compiles=self.before_sampler_compiles,
             saved_traces=self.saved_traces,
+            blas=blas,
         )
 
     def close(self) -> None:

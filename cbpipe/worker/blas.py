@@ -1,4 +1,4 @@
-"""Which of CUDA's BLAS libraries runs the model's matrix products.
+"""Which of CUDA's BLAS libraries runs the model's matrix products, in which kind of step.
 
 torch sends a product to cuBLAS unless told otherwise. cuBLASLt, the same library's newer
 interface, has heuristics of its own, and for the decode step's products (a few dozen rows by
@@ -6,13 +6,26 @@ a large weight) they pick better kernels: where cuBLAS splits a product over its
 dimension and adds the parts in a second kernel, cuBLASLt picks a single kernel that reads the
 weight as fast, so a step launches fewer kernels and waits for no reductions
 (docs/PERFORMANCE.md has the step's profile both ways). Large products, a prefill's, run the
-same either way. The choice is torch's, per process, so every worker rank makes it.
+same either way.
+
+What differs is the host's side of a call. torch asks cuBLASLt's heuristic for an algorithm at
+every product, where cuBLAS keeps its own choices: tens to hundreds of microseconds a product
+against a few. A decode graph pays that once, at its capture; an eager step (a prefill chunk,
+a decode batch beside one) pays it at every product, and an eager step's host time is what
+bounds it. So ``auto`` is cuBLASLt for the products captured in graphs and cuBLAS for the
+eager steps'.
+
+The choice is torch's, per process, so every worker rank makes it; the runner switches to the
+eager library around each eager step (``products_on``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -22,24 +35,59 @@ log = logging.getLogger(__name__)
 BlasLibrary = Literal["auto", "cublaslt", "cublas"]
 
 
-def use_blas_library(choice: BlasLibrary, device: torch.device) -> str | None:
-    """Makes ``choice`` this process's BLAS library for CUDA products; returns the one in use.
+@dataclass(frozen=True)
+class BlasLibraries:
+    """The library of each kind of step's products."""
 
-    ``auto`` is cuBLASLt where this torch has it, else cuBLAS. None off CUDA, where nothing
-    is set.
+    graphs: str  # decode steps captured in CUDA graphs; the process's own setting
+    eager: str  # steps launched op by op
+
+    def __str__(self) -> str:
+        if self.graphs == self.eager:
+            return self.graphs
+        return f"{self.graphs} (in graphs), {self.eager} (eager steps)"
+
+
+def use_blas_library(choice: BlasLibrary, device: torch.device) -> BlasLibraries | None:
+    """Makes the graphs' library of ``choice`` this process's BLAS library for CUDA products;
+    returns the libraries in use. None off CUDA, where nothing is set.
+
+    ``auto`` is cuBLASLt in graphs and cuBLAS in eager steps where this torch has cuBLASLt,
+    else cuBLAS for both.
     """
     if device.type != "cuda":
         return None
     wanted = "cublaslt" if choice == "auto" else choice
     try:
-        with warnings.catch_warnings():
-            # torch calls the setting experimental, at every process that makes it.
-            warnings.simplefilter("ignore")
-            torch.backends.cuda.preferred_blas_library(wanted)
+        _set_preference(wanted)
     except RuntimeError as exc:
         if choice != "auto":
             raise ValueError(f"--blas-library {choice} is not available here: {exc}") from exc
         log.debug("cuBLASLt is not available (%s); the products run on cuBLAS", exc)
-        torch.backends.cuda.preferred_blas_library("cublas")
-        return "cublas"
-    return wanted
+        _set_preference("cublas")
+        return BlasLibraries("cublas", "cublas")
+    return BlasLibraries(wanted, "cublas" if choice == "auto" else wanted)
+
+
+@contextlib.contextmanager
+def products_on(library: str | None) -> Iterator[None]:
+    """Products inside run on ``library`` (None: on the process's setting), which is restored
+    after."""
+    before = torch.backends.cuda.preferred_blas_library()
+    if library is None or before.name.lower() == library:
+        yield
+        return
+    # Without ``_set_preference``'s filter: torch warns once a process, and the start-up's
+    # choice took that warning; a filter here would touch every thread's warnings a step.
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _set_preference(library: str) -> None:
+    with warnings.catch_warnings():
+        # torch calls the setting experimental, at every process that makes it.
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.preferred_blas_library(library)

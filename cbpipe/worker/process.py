@@ -39,7 +39,7 @@ from cbpipe.protocol.messages import (
 from cbpipe.protocol.security import seal
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.worker import attention
-from cbpipe.worker.blas import use_blas_library
+from cbpipe.worker.blas import BlasLibraries, use_blas_library
 from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, ahead_variants, needs_compiling
 from cbpipe.worker.compile_cache import CACHE_VARIABLES, use_compile_cache
 from cbpipe.worker.cuda_graphs import (
@@ -170,12 +170,14 @@ def _load(
     source = resolve_model(config.model.model, config.model.revision)
     cuda = device.type == "cuda"
     traces: SavedTraces | None = None
+    blas: BlasLibraries | None = None
     if cuda:  # nothing is compiled on the CPU (Triton is interpreted there)
         cache = use_compile_cache(config.worker.compile_cache_dir, source.config, dtype, device)
         if cache is not None and config.worker.saved_traces and traces_are_supported():
             traces = SavedTraces(cache / "traces")
         torch.zeros(1, device=device)  # the context, which the weights would otherwise pay for
-        log.info("matrix products on %s", use_blas_library(config.worker.blas_library, device))
+        blas = use_blas_library(config.worker.blas_library, device)
+        log.info("matrix products on %s", blas)
     phases.done("device")
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
     max_batch_tokens = config.scheduler.batch_tokens(memory)
@@ -245,6 +247,7 @@ def _load(
         before_sampler_compiles=None if ahead is None else ahead.wait,
         saved_traces=traces,
         max_batch_tokens=max_batch_tokens,
+        blas=blas,
     )
     phases.done("runner set-up", parts=runner.startup_seconds)
     log.info("start-up: %s", phases.finish())

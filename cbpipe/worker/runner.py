@@ -54,6 +54,7 @@ from cbpipe.worker.attention import (
     PrefillKernel,
     StepAttention,
 )
+from cbpipe.worker.blas import BlasLibraries, products_on
 from cbpipe.worker.compiled_layers import compile_layers
 from cbpipe.worker.compiling import (
     compile_decode_fn,
@@ -208,6 +209,7 @@ class StepRunner:
         before_sampler_compiles: Callable[[], None] | None = None,
         saved_traces: SavedTraces | None = None,
         max_batch_tokens: int | None = None,
+        blas: BlasLibraries | None = None,
     ) -> None:
         """``attention``: the model's layers as the load-time probe found them, and the binding
         through which each step's attention reaches them.
@@ -231,6 +233,8 @@ class StepRunner:
         ``saved_traces``: where the compiled samplers' saved traces are loaded from.
         ``max_batch_tokens``: the scheduler's per-step token budget, which the warm-up's
         prefills reach (default: the slots' capacity).
+        ``blas``: the BLAS libraries ``use_blas_library`` set up; eager steps run their
+        products on its eager one (None: on the process's setting).
         """
         started = time.perf_counter()
         self.writes_outputs = writes_outputs
@@ -264,6 +268,7 @@ class StepRunner:
         self._last_d2h: torch.cuda.Event | None = None  # the last launched step's outputs copied
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        self._eager_blas = None if blas is None else blas.eager
         # Where this runner's set-up went, in order, for the worker's start-up line.
         self.startup_seconds: dict[str, float] = {"slots": time.perf_counter() - started}
         # Dynamic shapes and the opaque attention op (``OpaqueStep``) give one compiled graph
@@ -668,7 +673,10 @@ class StepRunner:
     @torch.inference_mode()
     def _compute(self, step: Step, slot: SlotBuffers, facts: StepFacts | None = None) -> None:
         """Any step, eagerly; shapes follow the step's sizes."""
-        facts = facts or StepFacts()
+        with products_on(self._eager_blas):
+            self._compute_eagerly(step, slot, facts or StepFacts())
+
+    def _compute_eagerly(self, step: Step, slot: SlotBuffers, facts: StepFacts) -> None:
         t, s = step.num_tokens, step.num_seqs
         inputs = slot.inputs
         input_ids = self._carry_over(inputs, t, valid=None)

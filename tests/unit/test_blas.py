@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cbpipe.config import add_arguments, from_arguments
-from cbpipe.worker.blas import use_blas_library
+from cbpipe.worker.blas import BlasLibraries, products_on, use_blas_library
 
 
 @pytest.fixture
@@ -25,12 +25,38 @@ def test_nothing_is_set_off_cuda(restore_preference) -> None:
     assert torch.backends.cuda.preferred_blas_library() == before
 
 
-def test_auto_takes_cublaslt_where_torch_has_it_else_cublas(restore_preference) -> None:
+def _preference() -> str:
+    return torch.backends.cuda.preferred_blas_library().name.lower()
+
+
+def test_auto_takes_cublaslt_in_graphs_and_cublas_in_eager_steps(restore_preference) -> None:
     chosen = use_blas_library("auto", torch.device("cuda"))
-    assert chosen in ("cublaslt", "cublas")
-    assert torch.backends.cuda.preferred_blas_library().name.lower() == chosen
     if not torch.backends.cuda.is_built():  # a CPU build has no cuBLASLt to choose
-        assert chosen == "cublas"
+        assert chosen == BlasLibraries("cublas", "cublas")
+    else:
+        assert chosen == BlasLibraries("cublaslt", "cublas")
+    assert chosen is not None and _preference() == chosen.graphs
+
+
+def test_a_library_asked_for_runs_every_step(restore_preference) -> None:
+    assert use_blas_library("cublas", torch.device("cuda")) == BlasLibraries("cublas", "cublas")
+    if torch.backends.cuda.is_built():
+        chosen = use_blas_library("cublaslt", torch.device("cuda"))
+        assert chosen == BlasLibraries("cublaslt", "cublaslt")
+
+
+def test_products_on_switches_for_its_block_and_restores(restore_preference) -> None:
+    use_blas_library("cublas", torch.device("cuda"))
+    with products_on(None):
+        assert _preference() == "cublas"
+    with products_on("cublas"):
+        assert _preference() == "cublas"
+    if not torch.backends.cuda.is_built():
+        return
+    with pytest.raises(KeyError), products_on("cublaslt"):
+        assert _preference() == "cublaslt"
+        raise KeyError("a step that fails")
+    assert _preference() == "cublas"
 
 
 def test_an_unavailable_library_asked_for_is_a_clear_error(restore_preference) -> None:
