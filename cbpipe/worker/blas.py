@@ -73,8 +73,11 @@ def use_blas_library(choice: BlasLibrary, device: torch.device) -> BlasLibraries
 def products_on(library: str | None) -> Iterator[None]:
     """Products inside run on ``library`` (None: on the process's setting), which is restored
     after."""
+    if library is None:  # off CUDA and in runners built without a choice: no call into torch
+        yield
+        return
     before = torch.backends.cuda.preferred_blas_library()
-    if library is None or before.name.lower() == library:
+    if before.name.lower() == library:
         yield
         return
     # Without ``_set_preference``'s filter: torch warns once a process, and the start-up's
