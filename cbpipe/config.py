@@ -166,10 +166,9 @@ class WorkerConfig:
     )
     blas_library: Literal["auto", "cublaslt", "cublas"] = _opt(
         "auto",
-        "the BLAS library of the matrix products on CUDA; auto is cuBLASLt in the decode "
-        "graphs (its kernels for small products need no separate split-K reductions) and "
-        "cuBLAS in eager steps (it picks each product's kernel with less host time), where "
-        "this torch has cuBLASLt, else cuBLAS for both; cublaslt or cublas: that one for all",
+        "the BLAS library of the matrix products on CUDA; auto is cuBLASLt (its kernels for "
+        "a decode step's small products need no separate split-K reductions) where this "
+        "torch has it, else cuBLAS; cublaslt or cublas: that one",
     )
     max_graph_batch: int | None = _opt(
         None, "largest decode batch captured in a graph; default: --max-num-seqs"

@@ -10,13 +10,13 @@ same either way.
 
 What differs is the host's side of a call. torch asks cuBLASLt's heuristic for an algorithm at
 every product, where cuBLAS keeps its own choices: tens to hundreds of microseconds a product
-against a few. A decode graph pays that once, at its capture; an eager step (a prefill chunk,
-a decode batch beside one) pays it at every product, and an eager step's host time is what
-bounds it. So ``auto`` is cuBLASLt for the products captured in graphs and cuBLAS for the
-eager steps'.
+against a few. A decode graph pays that once, at its capture; an eager step pays it at every
+product. Running eager steps on cuBLAS was measured and lost (a mixed step 16.2 ms against
+14.8 on an H100, docs/PERFORMANCE.md session 32: cuBLAS's own kernels for those products took
+longer on the device than the host time saved), so ``auto`` is cuBLASLt for every step.
 
-The choice is torch's, per process, so every worker rank makes it; the runner switches to the
-eager library around each eager step (``products_on``).
+The choice is torch's, per process, so every worker rank makes it; ``BlasLibraries`` can name
+another library for eager steps, which the runner switches to around each (``products_on``).
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def use_blas_library(choice: BlasLibrary, device: torch.device) -> BlasLibraries
     """Makes the graphs' library of ``choice`` this process's BLAS library for CUDA products;
     returns the libraries in use. None off CUDA, where nothing is set.
 
-    ``auto`` is cuBLASLt in graphs and cuBLAS in eager steps where this torch has cuBLASLt,
-    else cuBLAS for both.
+    ``auto`` is cuBLASLt where this torch has it, else cuBLAS.
     """
     if device.type != "cuda":
         return None
@@ -66,7 +65,7 @@ def use_blas_library(choice: BlasLibrary, device: torch.device) -> BlasLibraries
         log.debug("cuBLASLt is not available (%s); the products run on cuBLAS", exc)
         _set_preference("cublas")
         return BlasLibraries("cublas", "cublas")
-    return BlasLibraries(wanted, "cublas" if choice == "auto" else wanted)
+    return BlasLibraries(wanted, wanted)
 
 
 @contextlib.contextmanager

@@ -29,12 +29,12 @@ def _preference() -> str:
     return torch.backends.cuda.preferred_blas_library().name.lower()
 
 
-def test_auto_takes_cublaslt_in_graphs_and_cublas_in_eager_steps(restore_preference) -> None:
+def test_auto_takes_cublaslt_for_every_step(restore_preference) -> None:
     chosen = use_blas_library("auto", torch.device("cuda"))
     if not torch.backends.cuda.is_built():  # a CPU build has no cuBLASLt to choose
         assert chosen == BlasLibraries("cublas", "cublas")
     else:
-        assert chosen == BlasLibraries("cublaslt", "cublas")
+        assert chosen == BlasLibraries("cublaslt", "cublaslt")
     assert chosen is not None and _preference() == chosen.graphs
 
 
