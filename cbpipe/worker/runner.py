@@ -268,7 +268,9 @@ class StepRunner:
         self._last_d2h: torch.cuda.Event | None = None  # the last launched step's outputs copied
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
-        self._eager_blas = None if blas is None else blas.eager
+        # Only a library other than the process's own is switched to around eager steps,
+        # so a runner of one library asks torch nothing a step.
+        self._eager_blas = blas.eager if blas is not None and blas.eager != blas.graphs else None
         # Where this runner's set-up went, in order, for the worker's start-up line.
         self.startup_seconds: dict[str, float] = {"slots": time.perf_counter() - started}
         # Dynamic shapes and the opaque attention op (``OpaqueStep``) give one compiled graph
