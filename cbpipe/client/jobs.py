@@ -195,12 +195,17 @@ def structured_output_of(given: object) -> StructuredOutput | None:
     return StructuredOutput(**values)
 
 
+_PYTHON_INT = frozenset({int})
+
+
 def prompt_payload(prompt: object) -> str | list[int]:
     """A text prompt as is, or token ids as a list of Python ints (from any sequence of
     integers, numpy's and torch's among them, or a one-dimensional array or tensor, as a
     tokenizer returns them); anything else is a ``RequestError``."""
     if isinstance(prompt, str):
         return prompt
+    if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= _PYTHON_INT:
+        return list(prompt)  # the common case, checked in C: a per-token ABC check is slow
     if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
         prompt = prompt.tolist()  # an array or tensor: its elements as Python numbers
     if (

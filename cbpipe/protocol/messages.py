@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import itertools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
@@ -316,8 +319,10 @@ REPLY_TYPES: tuple[type[Message], ...] = (
 
 
 def encode(message: Message) -> bytes:
-    fields = {f.name: _to_wire(getattr(message, f.name)) for f in dataclasses.fields(message)}  # type: ignore[arg-type]
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": message.TYPE, **fields})
+    frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": message.TYPE}
+    for name in _field_names(type(message)):
+        frame[name] = _to_wire(getattr(message, name))
+    return msgpack.packb(frame)
 
 
 def decode(frame: bytes, expected: tuple[type[Message], ...] | None = None) -> Message:
@@ -339,7 +344,7 @@ def decode(frame: bytes, expected: tuple[type[Message], ...] | None = None) -> M
     cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
     if cls is None or (expected is not None and cls not in expected):
         raise ProtocolError(f"unknown or unexpected message type {safe_repr(type_name)}")
-    return _build(cls, raw, context=type_name)
+    return _builder(cls)(raw, type_name)
 
 
 def request_id_of(frame: bytes) -> int | None:
@@ -352,127 +357,230 @@ def request_id_of(frame: bytes) -> int | None:
     return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
 
 
+# Values msgpack packs as they are; checked first, since nearly every field is one.
+_PLAIN_TYPES = frozenset({int, float, str, bool, bytes, list, type(None)})
+
+
 def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if type(value) in _PLAIN_TYPES:
+        return value
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):
         return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: _to_wire(getattr(value, name)) for name in _field_names(type(value))}
     return value
 
 
-def _build(cls: type, raw: dict[str, Any], context: str) -> Any:
-    hints = _type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name in hints]
-    unknown = sorted(set(raw) - set(names), key=str)
-    if unknown:
-        raise ProtocolError(f"{context}: unknown field(s) {', '.join(map(repr, unknown))}")
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            has_default = (
-                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-            )
-            if has_default:
-                continue
-            raise ProtocolError(f"{context}: missing field {f.name!r}")
-        values[f.name] = _convert(hints[f.name], raw[f.name], f"{context}.{f.name}")
-    try:
-        return cls(**values)
-    except ValueError as exc:  # a message's own consistency check
-        raise ProtocolError(str(exc)) from None
+# Decoding checks every field against its declared type. The hints are read once per type
+# and turned into a converter, a function of (value, where) that returns the value as the
+# field holds it or raises ProtocolError naming ``where``: a frame arrives for every submit
+# and every step, and walking the hints for each of them cost more than the rest of a
+# submit's handling together (docs/PERFORMANCE.md).
+Converter = Callable[[Any, str], Any]
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_BUILDERS: dict[type, Converter] = {}
 
 
-def _type_hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = {k: v for k, v in hints.items() if get_origin(v) is not ClassVar}
-    return _HINTS[cls]
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
-def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one case per type form
+def _builder(cls: type) -> Converter:
+    build = _BUILDERS.get(cls)
+    if build is None:
+        build = _BUILDERS[cls] = _new_builder(cls)
+    return build
+
+
+def _new_builder(cls: type) -> Converter:
+    """The converter of a frame's (or a nested map's) fields into an instance of ``cls``."""
+    hints = {k: v for k, v in typing.get_type_hints(cls).items() if get_origin(v) is not ClassVar}
+    fields = [
+        (
+            f.name,
+            _converter(hints[f.name]),
+            _kept_as_is(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+    ]
+    names = frozenset(name for name, _, _, _ in fields)
+
+    def build(raw: dict[str, Any], context: str) -> Any:
+        if not names.issuperset(raw):
+            unknown = sorted(set(raw) - names, key=str)
+            raise ProtocolError(f"{context}: unknown field(s) {', '.join(map(repr, unknown))}")
+        values = {}
+        for name, convert, kept, required in fields:
+            if name in raw:
+                value = raw[name]
+                values[name] = value if type(value) in kept else convert(value, f"{context}.{name}")
+            elif required:
+                raise ProtocolError(f"{context}: missing field {name!r}")
+        try:
+            return cls(**values)
+        except ValueError as exc:  # a message's own consistency check
+            raise ProtocolError(str(exc)) from None
+
+    return build
+
+
+def _kept_as_is(hint: Any) -> frozenset[type]:
+    """The wire types that ``_converter(hint)`` returns unchanged after a type check alone:
+    most fields of most frames, which skip the converter's call."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return frozenset().union(*(_kept_as_is(option) for option in get_args(hint)))
+    if hint in (type(None), bool, int, float, str):
+        return frozenset({hint})
+    return frozenset()
+
+
+def _expected(hint: Any, value: Any, where: str) -> ProtocolError:
+    return ProtocolError(f"{where}: expected {_hint_name(hint)}, got {_describe(value)}")
+
+
+@functools.cache
+def _converter(hint: Any) -> Converter:  # noqa: C901 - one case per type form
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
-        options = get_args(hint)
+        return _union_converter(hint)
+    if hint is type(None):
+
+        def convert_none(value: Any, where: str) -> Any:
+            if value is None:
+                return None
+            raise _expected(hint, value, where)
+
+        return convert_none
+    if origin is Literal:
+        allowed = get_args(hint)
+
+        def convert_literal(value: Any, where: str) -> Any:
+            if value in allowed:
+                return value
+            raise ProtocolError(f"{where}: must be one of {allowed}, got {safe_repr(value)}")
+
+        return convert_literal
+    if origin is tuple and get_args(hint)[-1:] != (Ellipsis,):
+        positions = [_converter(a) for a in get_args(hint)]  # a fixed-length tuple
+
+        def convert_fixed_tuple(value: Any, where: str) -> Any:
+            if isinstance(value, list) and len(value) == len(positions):
+                return tuple(
+                    convert(v, f"{where}[{i}]")
+                    for i, (convert, v) in enumerate(zip(positions, value, strict=True))
+                )
+            raise _expected(hint, value, where)
+
+        return convert_fixed_tuple
+    if origin in (list, tuple):
+        return _sequence_converter(hint, origin)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+
+        def convert_enum(value: Any, where: str) -> Any:
+            try:
+                return hint(value)
+            except ValueError:
+                raise ProtocolError(f"{where}: invalid value {safe_repr(value)}") from None
+
+        return convert_enum
+    if dataclasses.is_dataclass(hint):
+
+        def convert_map(value: Any, where: str) -> Any:
+            if isinstance(value, dict):
+                return _builder(hint)(value, where)  # type: ignore[arg-type]
+            raise _expected(hint, value, where)
+
+        return convert_map
+    if hint is float:
+
+        def convert_float(value: Any, where: str) -> Any:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise _expected(hint, value, where)
+
+        return convert_float
+    if hint in (bool, int, str):
+        # Exact types: msgpack gives bool for booleans only, and a bool is no int here.
+        def convert_exact(value: Any, where: str) -> Any:
+            if type(value) is hint:
+                return value
+            raise _expected(hint, value, where)
+
+        return convert_exact
+    raise TypeError(f"unsupported field type {hint!r}")  # a message declared a type we lack
+
+
+def _union_converter(hint: Any) -> Converter:
+    options = [(_shape_of(option), _converter(option)) for option in get_args(hint)]
+    names = " or ".join(_hint_name(option) for option in get_args(hint))
+
+    def convert_union(value: Any, where: str) -> Any:
         # The options whose outer shape fits first: a failed try formats its error message,
         # and most values (an unset optional, a prompt of token ids) fit one option at once.
-        for option in sorted(options, key=lambda option: not _shape_fits(option, value)):
-            try:
-                return _convert(option, value, where)
-            except ProtocolError:
-                continue
-        names = " or ".join(_hint_name(option) for option in options)
+        fitting = [shape is None or isinstance(value, shape) for shape, _ in options]
+        for fits in (True, False):
+            for (_, convert), fit in zip(options, fitting, strict=True):
+                if fit is fits:
+                    try:
+                        return convert(value, where)
+                    except ProtocolError:
+                        continue
         raise ProtocolError(f"{where}: expected {names}, got {_describe(value)}")
-    if hint is type(None):
-        if value is None:
-            return None
-    elif origin is Literal:
-        if value in get_args(hint):
-            return value
-        raise ProtocolError(f"{where}: must be one of {get_args(hint)}, got {safe_repr(value)}")
-    elif origin is tuple and get_args(hint)[-1:] != (Ellipsis,):
-        args = get_args(hint)  # a fixed-length tuple: one type per position
-        if isinstance(value, list) and len(value) == len(args):
-            return tuple(
-                _convert(a, v, f"{where}[{i}]")
-                for i, (a, v) in enumerate(zip(args, value, strict=True))
-            )
-    elif origin in (list, tuple):
-        if isinstance(value, list):
-            (item,) = get_args(hint)[:1]
-            if item is int:  # prompts and token lists: checked in one pass, not per element
-                if all(type(v) is int for v in value):
-                    return value if origin is list else tuple(value)
-                bad = next(i for i, v in enumerate(value) if type(v) is not int)
-                raise ProtocolError(f"{where}[{bad}]: expected int, got {_describe(value[bad])}")
-            if item == list[int] and all(
-                type(row) is list and all(type(v) is int for v in row) for row in value
-            ):  # a step's token lists, one per job: one pass; a bad one is named below
-                return value if origin is list else tuple(value)
-            items = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-            return items if origin is list else tuple(items)
-    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise ProtocolError(f"{where}: invalid value {safe_repr(value)}") from None
-    elif dataclasses.is_dataclass(hint):
-        if isinstance(value, dict):
-            return _build(hint, value, where)  # type: ignore[arg-type]
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    else:  # pragma: no cover - a message declared a type this codec does not know
-        raise TypeError(f"{where}: unsupported field type {hint!r}")
-    raise ProtocolError(f"{where}: expected {_hint_name(hint)}, got {_describe(value)}")
+
+    return convert_union
 
 
-def _shape_fits(hint: Any, value: Any) -> bool:
-    """Whether ``value`` has the outer shape ``hint`` asks for (its items unchecked)."""
+def _sequence_converter(hint: Any, origin: type) -> Converter:
+    (item,) = get_args(hint)[:1]
+    as_tuple = origin is tuple
+    fits: Callable[[list[Any]], bool] | None = None
+    # Prompts, token lists and log-probabilities: their elements' types checked in one pass
+    # in C (``map``), not one converter call each; a bad element is named by the per-element
+    # pass below.
+    if item in (int, float):
+        only = frozenset({item})
+        fits = lambda value: set(map(type, value)) <= only  # noqa: E731
+    elif item == list[int]:
+        lists, ints = frozenset({list}), frozenset({int})
+        fits = lambda value: (  # noqa: E731
+            set(map(type, value)) <= lists
+            and set(map(type, itertools.chain.from_iterable(value))) <= ints
+        )
+    convert_item = _converter(item)
+
+    def convert_sequence(value: Any, where: str) -> Any:
+        if not isinstance(value, list):
+            raise _expected(hint, value, where)
+        if fits is not None and fits(value):
+            return tuple(value) if as_tuple else value
+        items = [convert_item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if as_tuple else items
+
+    return convert_sequence
+
+
+def _shape_of(hint: Any) -> type | tuple[type, ...] | None:
+    """The outer type(s) a value of ``hint`` has on the wire (its items unchecked), or None
+    where every value is worth a try (a Literal or an enum)."""
     if hint is type(None):
-        return value is None
+        return type(None)
     if get_origin(hint) in (list, tuple):
-        return isinstance(value, list)
+        return list
     if dataclasses.is_dataclass(hint):
-        return isinstance(value, dict)
+        return dict
     if hint is float:
-        return isinstance(value, (int, float))
+        return (int, float)
     if isinstance(hint, type) and not issubclass(hint, enum.Enum):
-        return isinstance(value, hint)
-    return True  # a Literal or an enum: tried as declared
+        return hint
+    return None
 
 
 def _hint_name(hint: Any) -> str:
