@@ -429,7 +429,7 @@ if want hostcpu; then
             section "bench_scheduler.py at the 1B bench's shape, run $run"
             "$PY" scripts/bench_scheduler.py --num-requests 256 --max-num-seqs 256 \
                 --prompt-len 128 128 --output-len "$output_len" "$output_len" \
-                | grep -E "decode-only|with prefill"
+                | grep -E "intake|decode-only|with prefill"
             echo "exit code ${PIPESTATUS[0]}"
         done
         for fraction in ${HOSTCPU_STRUCTURED:-}; do
@@ -437,7 +437,7 @@ if want hostcpu; then
             "$PY" scripts/bench_scheduler.py --num-requests 768 --max-num-seqs 256 \
                 --prompt-len 128 128 --output-len "$output_len" "$output_len" \
                 --structured "$fraction" --tokenizer synthetic:128000 \
-                | grep -E "decode-only|with prefill"
+                | grep -E "intake|decode-only|with prefill"
             echo "exit code ${PIPESTATUS[0]}"
         done
     } 2>&1 | tee "$OUT/hostcpu.log"
