@@ -30,6 +30,8 @@ from typing import Literal
 
 import torch
 
+from cbpipe.worker.fused_projections import FusedLinear
+
 log = logging.getLogger(__name__)
 
 BlasLibrary = Literal["auto", "cublaslt", "cublas"]
@@ -93,3 +95,66 @@ def _set_preference(library: str) -> None:
         # torch calls the setting experimental, at every process that makes it.
         warnings.simplefilter("ignore")
         torch.backends.cuda.preferred_blas_library(library)
+
+
+# Row counts a warm-up runs each product at, per doubling: enough that a kernel the library
+# picks for some range of rows is met at one of them (docs/PERFORMANCE.md, session 33).
+WARM_ROWS_PER_OCTAVE = 4
+
+
+def warm_product_plans(model: torch.nn.Module, max_rows: int, max_head_rows: int) -> int:
+    """Run each distinct matrix product of ``model``'s linear layers once at row counts from 1
+    to ``max_rows`` (the head's to ``max_head_rows``: it sees the sampled rows alone); returns
+    how many products ran.
+
+    An eager step's products have as many rows as the step has tokens, which differ from step
+    to step. The first time a process meets a (rows, weight shape) pair, cuBLASLt's heuristic
+    chooses a kernel (about 0.3 ms on the host), and the first time it chooses a kernel, CUDA
+    loads that kernel's module (4-7 ms: modules load lazily): a mixed step of a row count
+    never seen spent 10-20 ms more on the host than its repeats. Products are what runs
+    here, so the kernels these row counts pick are loaded before serving; a row count
+    between two of them costs the heuristic alone, where it picks a kernel already loaded.
+    """
+    products = _distinct_products(model)
+    if not products:
+        return 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    widest = max(weight.shape[1] for weight, _ in products)
+    weight = products[0][0]
+    # Contiguous rows of each width, as a step's activations are: the leading dimension is
+    # part of what the heuristic chooses for.
+    inputs = torch.empty(max_rows * widest, dtype=weight.dtype, device=weight.device)
+    inputs.normal_()
+    count = 0
+    with torch.inference_mode():
+        for weight, bias in products:
+            limit = max_head_rows if weight is head_weight else max_rows
+            width = weight.shape[1]
+            for rows in row_grid(limit):
+                torch.nn.functional.linear(inputs[: rows * width].view(rows, width), weight, bias)
+                count += 1
+    return count
+
+
+def row_grid(limit: int) -> list[int]:
+    """1 to ``limit`` in ``WARM_ROWS_PER_OCTAVE`` steps a doubling, ``limit`` included."""
+    steps = WARM_ROWS_PER_OCTAVE * max(limit, 1).bit_length()
+    rows = {round(2 ** (i / WARM_ROWS_PER_OCTAVE)) for i in range(steps + 1)}
+    return sorted({r for r in rows if r <= limit} | {limit})
+
+
+def _distinct_products(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One (weight, bias) for each kind of product the model's linear layers make: what the
+    library's choice depends on (the weight's shape, strides and dtype; a bias or none)."""
+    seen: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear | FusedLinear):
+            continue
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.is_meta:
+            continue
+        bias = getattr(module, "bias", None)
+        key = (tuple(weight.shape), weight.stride(), weight.dtype, bias is not None)
+        seen.setdefault(key, (weight, bias))
+    return list(seen.values())

@@ -54,7 +54,7 @@ from cbpipe.worker.attention import (
     PrefillKernel,
     StepAttention,
 )
-from cbpipe.worker.blas import BlasLibraries, products_on
+from cbpipe.worker.blas import BlasLibraries, products_on, warm_product_plans
 from cbpipe.worker.compiled_layers import compile_layers
 from cbpipe.worker.compiling import (
     compile_decode_fn,
@@ -339,7 +339,10 @@ class StepRunner:
         step's variants are met here: one decode row beside a prefill of every power-of-two
         length up to the step's token budget, and decode-only steps of every power-of-two
         batch up to the slots' width. The steps read and write only the cache's padding
-        block, through slot 0's own buffers, and nothing is in flight yet.
+        block, through slot 0's own buffers, and nothing is in flight yet. On CUDA the
+        products then run alone at row counts between those lengths
+        (``blas.warm_product_plans``): a step's row count is any number up to the budget,
+        and the library's kernels for it load the first time it picks them.
         """
         started = time.perf_counter()
         limits = self.layout.limits
@@ -350,16 +353,24 @@ class StepRunner:
         # Decode-only batches of every power of two: the split count follows the batch size.
         batches = sorted({1 << i for i in range(widest.bit_length())} | {widest})
         shapes = [(beside, n) for n in lengths] + [(b, 0) for b in batches]
+        num_products = 0
         with self._on(self.compute_stream):  # the slot's fills and the steps, in order
             for num_decodes, prefill_len in shapes:
                 self._run_padding_step(num_decodes, prefill_len)
+            if self.cuda:
+                with products_on(self._eager_blas):
+                    num_products = warm_product_plans(
+                        self.model, self.max_batch_tokens, limits.max_seqs
+                    )
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.startup_seconds["warm-up"] = time.perf_counter() - started
         log.info(
-            "warmed up %d eager step shapes (prefill up to %d tokens) in %.1f s",
+            "warmed up %d eager step shapes (prefill up to %d tokens) and %d products' plans "
+            "in %.1f s",
             len(shapes),
             longest,
+            num_products,
             self.startup_seconds["warm-up"],
         )
 
