@@ -121,18 +121,20 @@ def warm_product_plans(model: torch.nn.Module, max_rows: int, max_head_rows: int
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_weight = getattr(head, "weight", None)
     widest = max(weight.shape[1] for weight, _ in products)
-    weight = products[0][0]
-    # Contiguous rows of each width, as a step's activations are: the leading dimension is
-    # part of what the heuristic chooses for.
-    inputs = torch.empty(max_rows * widest, dtype=weight.dtype, device=weight.device)
-    inputs.normal_()
+    inputs: dict[torch.dtype, torch.Tensor] = {}  # a model may keep some layers in float32
     count = 0
     with torch.inference_mode():
         for weight, bias in products:
+            if weight.dtype not in inputs:
+                flat = torch.empty(max_rows * widest, dtype=weight.dtype, device=weight.device)
+                inputs[weight.dtype] = flat.normal_()
             limit = max_head_rows if weight is head_weight else max_rows
             width = weight.shape[1]
             for rows in row_grid(limit):
-                torch.nn.functional.linear(inputs[: rows * width].view(rows, width), weight, bias)
+                # Contiguous rows, as a step's activations are: the heuristic's choice
+                # depends on the layout.
+                x = inputs[weight.dtype][: rows * width].view(rows, width)
+                torch.nn.functional.linear(x, weight, bias)
                 count += 1
     return count
 

@@ -140,3 +140,10 @@ def test_a_bias_makes_a_product_of_its_own_kind() -> None:
         layer.self_attn.o_proj.bias = None  # q_proj keeps its bias, o_proj has none
     kinds = [(tuple(w.shape), b is not None) for w, b in _distinct_products(model)]
     assert kinds.count(((64, 64), True)) == 1 and kinds.count(((64, 64), False)) == 1
+
+
+def test_layers_kept_in_another_dtype_are_warmed_in_theirs() -> None:
+    model = _small_llama().to(torch.bfloat16)
+    model.lm_head.float()  # as models with modules kept in float32 have them
+    count = warm_product_plans(model, max_rows=16, max_head_rows=4)
+    assert count == 4 * len(row_grid(16)) + len(row_grid(4))
