@@ -100,22 +100,32 @@ class _WindowStream:
 
 @dataclass
 class SampleText:
-    """One sample's text so far and how much of it was released to the client."""
+    """One sample's text so far: the part streamed to the client, kept as the pieces it was
+    streamed in (appending to one string would copy the whole text at every token), and the
+    part still held back."""
 
     stream: _TokenStream
     stop: tuple[str, ...]
     min_tokens: int = 0  # stop strings match only once the sample has more tokens than this
     include_stop: bool = False  # include_stop_str_in_output
-    text: str = ""
-    released: int = 0  # characters of ``text`` streamed
     num_tokens: int = 0  # tokens added
     stopped_by: str | None = None
     over: bool = False  # released whole: no token adds text any more
-    _hold: int = field(init=False)
+    _streamed: list[str] = field(default_factory=list, init=False)
+    _held: str = field(default="", init=False)  # text not streamed yet
+    _lookback: int = field(init=False)  # characters before a piece a stop string may start in
+    _hold: int = field(init=False)  # characters held back after each piece
 
     def __post_init__(self) -> None:
-        longest = max((len(s) for s in self.stop), default=1)
-        self._hold = 0 if self.include_stop else longest - 1
+        self._lookback = max((len(s) for s in self.stop), default=1) - 1
+        self._hold = 0 if self.include_stop else self._lookback
+
+    @property
+    def text(self) -> str:
+        """The text so far, streamed or held back."""
+        if len(self._streamed) > 1:
+            self._streamed[:] = ["".join(self._streamed)]
+        return "".join(self._streamed) + self._held
 
     def add(self, token_id: int, *, stop_terminated: bool = False) -> str:
         """Append a token; return the text now safe to stream. A stop string match cuts the
@@ -130,28 +140,49 @@ class SampleText:
         piece = self.stream.step(token_id)
         if not piece:
             return ""
-        searched = len(self.text)  # a match must end in the new piece
-        self.text += piece
         # As vLLM: only a match ending in text added after the min_tokens-th token counts.
         if self.stop and self.num_tokens > self.min_tokens:
-            match = _earliest_match(self.text, self.stop, searched)
+            before = self._context()
+            text = before + piece
+            match = _earliest_match(text, self.stop, len(before))
             if match is not None:
                 at, self.stopped_by = match
-                self.text = self.text[: at + len(self.stopped_by) if self.include_stop else at]
-                return self.release(len(self.text))
-        return self.release(len(self.text) - self._hold)
+                end = at + len(self.stopped_by) if self.include_stop else at
+                # The match starts in the held-back text (that is what holding back is for)
+                # or, kept in the output, ends in the piece: either way nothing streamed is cut.
+                self._held = text[len(before) - len(self._held) : end]
+                return self._stream_held(keep=0)
+        self._held += piece
+        return self._stream_held(keep=self._hold)
 
-    def release(self, end: int | None = None) -> str:
-        """Stream the text up to ``end``; by default all of it, with what the stream still
-        held back: the sample is over (and a second call releases nothing)."""
-        if end is None:
-            if self.stopped_by is None and not self.over:
-                self.text += self.stream.flush()
-            self.over = True
-            end = len(self.text)
-        if end <= self.released:
+    def release(self) -> str:
+        """Stream whatever is held back, with what the token stream still holds: the sample
+        is over (a second call releases nothing)."""
+        if self.stopped_by is None and not self.over:
+            self._held += self.stream.flush()
+        self.over = True
+        return self._stream_held(keep=0)
+
+    def _context(self) -> str:
+        """The text before a new piece in which a stop string ending in the piece may start:
+        the held-back text, and as much streamed text before it as a stop string is long."""
+        missing = self._lookback - len(self._held)
+        if missing <= 0 or not self._streamed:
+            return self._held
+        tail = ""
+        for piece in reversed(self._streamed):
+            tail = piece + tail
+            if len(tail) >= missing:
+                break
+        return tail[-missing:] + self._held
+
+    def _stream_held(self, keep: int) -> str:
+        """Stream the held-back text but its last ``keep`` characters."""
+        cut = len(self._held) - keep
+        if cut <= 0:
             return ""
-        delta, self.released = self.text[self.released : end], end
+        delta, self._held = self._held[:cut], self._held[cut:]
+        self._streamed.append(delta)
         return delta
 
 

@@ -7,6 +7,8 @@ from functools import cache
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cbpipe.models import EMBEDDED_MODEL_DIR
 from cbpipe.scheduler.text import Detokenizer, SampleText
@@ -189,3 +191,51 @@ def test_an_included_ending_token_adds_its_text() -> None:
         released = "".join(sample.add(t) for t in ids)
         released += sample.add(1, stop_terminated=True) + sample.release()
         assert released == "Return the list" + eos_text
+
+
+class _Pieces:
+    """A token stream that hands out fixed pieces: stop strings across piece boundaries."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def step(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+    def flush(self) -> str:
+        return ""
+
+
+def _reference(pieces: list[str], stop: tuple[str, ...], min_tokens: int, include: bool) -> str:
+    """The rules on the whole text at once: the earliest stop string that ends in the text
+    of a token after the min_tokens-th cuts it (kept with include_stop_str_in_output)."""
+    text, best = "", None
+    for index, piece in enumerate(pieces, start=1):
+        searched, text = len(text), text + piece
+        if not piece or index <= min_tokens:
+            continue
+        found = [(at, s) for s in stop if (at := text.find(s, max(searched - len(s) + 1, 0))) >= 0]
+        if found:
+            at, s = min(found)
+            best = text[: at + len(s)] if include else text[:at]
+            break
+    return text if best is None else best
+
+
+@given(
+    pieces=st.lists(st.text(alphabet="abc", max_size=3), max_size=12),
+    stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3).map(tuple),
+    min_tokens=st.integers(0, 4),
+    include=st.booleans(),
+)
+def test_streamed_text_follows_the_stop_rules_at_any_piece_boundaries(
+    pieces: list[str], stop: tuple[str, ...], min_tokens: int, include: bool
+) -> None:
+    sample = SampleText(_Pieces(pieces), stop, min_tokens, include)
+    streamed = ""
+    for token in range(len(pieces)):
+        streamed += sample.add(token)
+        assert _reference(pieces, stop, min_tokens, include).startswith(streamed)
+    streamed += sample.release()
+    assert streamed == sample.text == _reference(pieces, stop, min_tokens, include)
+    assert sample.release() == ""
