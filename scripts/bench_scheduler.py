@@ -10,6 +10,10 @@ Times are process CPU time, so a busy machine disturbs them less than wall time 
 
     python scripts/bench_scheduler.py --num-requests 1024 --max-num-seqs 256
 
+With ``--detokenize --tokenizer T`` every request streams text, as requests to a model with a
+tokenizer do by default: the scheduler's text stage (``scheduler/text.py``) decodes each
+sampled id (drawn at random across T's vocabulary) and matches stop strings.
+
 With ``--structured F --tokenizer T`` a fraction F of the requests follow a JSON schema
 (structured output): their masks are computed by llguidance over T's vocabulary when their
 steps are packed, and their sampled ids are drawn from those masks, untimed, as a worker
@@ -166,6 +170,12 @@ def parse_args() -> argparse.Namespace:
         "--structured", type=float, default=0.0, help="fraction of requests under a JSON schema"
     )
     p.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="requests stream text as well as token ids (the default of a model with a "
+        "tokenizer): the scheduler's text stage, over --tokenizer's vocabulary",
+    )
+    p.add_argument(
         "--tokenizer",
         help="a Hugging Face tokenizer (a folder or a tokenizer.json), or synthetic:N (a "
         "byte-level BPE of N tokens trained here on Python's sources)",
@@ -185,11 +195,12 @@ def main() -> None:
     max_len = args.shared_prefix + args.prompt_len[1] + args.output_len[1]
     blocks_per_seq = -(-max_len // args.block_size)
     tokenizer, vocab, grammars = None, 32000, None
-    if args.structured:
+    if args.structured or args.detokenize:
         if not args.tokenizer:
-            raise SystemExit("--structured needs --tokenizer")
+            raise SystemExit("--structured and --detokenize need --tokenizer")
         tokenizer = load_tokenizer(args.tokenizer)
         vocab = len(tokenizer)
+    if args.structured:
         grammars = Grammars(tokenizer, vocab, [])
     limits = SlotLimits(args.max_batch_tokens, args.max_num_seqs, blocks_per_seq, vocab_size=vocab)
     layout = SlotLayout.build(limits)
@@ -212,6 +223,7 @@ def main() -> None:
         grammars=grammars,
     )
     rng = random.Random(args.seed)
+    np_rng = np.random.default_rng(args.seed)
     shared = [rng.randrange(vocab) for _ in range(args.shared_prefix)]
     # The intake's CPU a submit, on each side of the socket: the client builds and encodes
     # the frame (``submit_frame``), the frontend decodes, checks and queues it.
@@ -219,7 +231,7 @@ def main() -> None:
     for i in range(args.num_requests):
         prompt = shared + [rng.randrange(vocab) for _ in range(rng.randint(*args.prompt_len))]
         constrained = rng.random() < args.structured
-        options: SamplingOptions = {"ignore_eos": True, "seed": i, "detokenize": False}
+        options: SamplingOptions = {"ignore_eos": True, "seed": i, "detokenize": args.detokenize}
         if constrained:
             options["structured_output"] = {"json": SCHEMA}
         client = f"client-{i % args.num_clients}".encode()
@@ -274,7 +286,12 @@ def main() -> None:
         previous = in_flight[-1][1] if in_flight else None
         packed = packer.pack(plan, step % 2, previous)
         packed_at = time.process_time()
-        sample_from_masks(packer.views(step % 2), packed, layout, rng)
+        views = packer.views(step % 2)
+        if args.detokenize:  # text of tokens drawn across the vocabulary, not of token 0
+            views.outputs.sampled_ids[: packed.num_seqs] = np_rng.integers(
+                0, vocab, packed.num_seqs
+            )
+        sample_from_masks(views, packed, layout, rng)
         parts = {"schedule": planned - start, "pack": packed_at - planned}
         in_flight.append((plan, step % 2, packed))
         updates: list[RequestUpdate] = []
