@@ -22,6 +22,7 @@ Special tokens are left out of the text unless ``skip_special_tokens`` is false.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,14 +49,16 @@ class _FastStream:
         self._backend = backend
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._recent: list[int] = []  # the last tokens that added text
-        self._held: list[int] = []  # tokens since, which added none yet
+        # The last tokens that added text, and the tokens since, which added none yet.
+        self._recent: collections.deque[int] = collections.deque(maxlen=_FLUSH_CONTEXT)
+        self._held: list[int] = []
 
     def step(self, token_id: int) -> str:
         piece = self._stream.step(self._backend, token_id) or ""
         if piece:
-            self._recent = [*self._recent[-(_FLUSH_CONTEXT - 1) :], token_id]
-            self._held = []
+            self._recent.append(token_id)
+            if self._held:
+                self._held.clear()
         else:
             self._held.append(token_id)
         return piece
@@ -64,8 +67,9 @@ class _FastStream:
         if not self._held:
             return ""
         decode = self._backend.decode
-        before = decode(self._recent, skip_special_tokens=self._skip)
-        after = decode(self._recent + self._held, skip_special_tokens=self._skip)
+        recent = list(self._recent)
+        before = decode(recent, skip_special_tokens=self._skip)
+        after = decode(recent + self._held, skip_special_tokens=self._skip)
         return after[len(before) :] if after.startswith(before) else ""
 
 
@@ -140,6 +144,9 @@ class SampleText:
         piece = self.stream.step(token_id)
         if not piece:
             return ""
+        if not self.stop:  # nothing held back: the piece streams as it is
+            self._streamed.append(piece)
+            return piece
         # As vLLM: only a match ending in text added after the min_tokens-th token counts.
         if self.stop and self.num_tokens > self.min_tokens:
             before = self._context()
