@@ -116,6 +116,10 @@
 #   BENCH_MODES=async,sync modes each benchmark runs (scripts/bench.py --modes);
 #                          BENCH_1B_MODES overrides it for the bench part's llama-1b run
 #   BENCH_MODELS=llama8b,llama1b  the bench part's runs
+#   BENCH_1B_TOKENIZER=    N: the llama-1b run once more with a byte-level BPE of N tokens
+#                          trained on the host's Python sources (128256, Llama 3's size; about
+#                          a minute the first time) as --tokenizer, so the scheduler's text
+#                          stage runs, which the presets, without a tokenizer, never do
 #   STARTUP_MODEL=random:llama-8b   STARTUP_REPEATS=2
 #   STARTUP_VARIANTS=";--no-saved-traces"  the startup part's launch arguments, alternated
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
@@ -456,6 +460,20 @@ if want bench; then
                 --num-requests "$BENCH_1B_REQUESTS" \
                 --prompt-len 128 --output-len "$output_len" --trace-dir "$OUT/traces1b_256"
             echo "exit code $?"
+            if [ -n "${BENCH_1B_TOKENIZER:-}" ]; then
+                # The same run with a tokenizer, so the scheduler's text stage decodes every
+                # sampled token, as it does for any model that has one.
+                tokenizer_dir=/tmp/cbpipe-bench-tokenizer-$BENCH_1B_TOKENIZER
+                mkdir -p "$tokenizer_dir"
+                "$PY" -c "import shutil, sys; sys.path.insert(0, 'scripts')
+from bench_scheduler import synthetic_tokenizer
+shutil.copy(synthetic_tokenizer($BENCH_1B_TOKENIZER), '$tokenizer_dir/tokenizer.json')"
+                BENCH_MODES=${BENCH_1B_MODES:-$BENCH_MODES} bench llama1b_text \
+                    --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
+                    --prompt-len 128 --output-len "$output_len" \
+                    --launch-arg=--tokenizer="$tokenizer_dir" --trace-dir "$OUT/traces1b_text"
+                echo "exit code $?"
+            fi
         fi
     } 2>&1 | tee "$OUT/bench.log"
     rcs+=("bench=$(grep '^exit code' "$OUT/bench.log" | awk '{print $3}' | paste -sd/ -)")
