@@ -337,11 +337,8 @@ def _time_step(
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     # The first launch of a make-up apart: whatever it meets for the first time since the
     # runner's warm-up (a kernel variant, the allocator's growth) shows only there.
-    with (
-        torch.profiler.profile(activities=activities)
-        if args.profile_first
-        else nullcontext() as first
-    ):
+    first = torch.profiler.profile(activities=activities) if args.profile_first else None
+    with first or nullcontext():
         first_wall, first_dev = run(1)
     print(
         f"first step: {first_wall:.2f} ms wall, {first_dev:.2f} ms on the device's compute stream"

@@ -127,8 +127,6 @@ class SampleText:
     @property
     def text(self) -> str:
         """The text so far, streamed or held back."""
-        if len(self._streamed) > 1:
-            self._streamed[:] = ["".join(self._streamed)]
         return "".join(self._streamed) + self._held
 
     def add(self, token_id: int, *, stop_terminated: bool = False) -> str:
@@ -148,7 +146,7 @@ class SampleText:
             self._streamed.append(piece)
             return piece
         # As vLLM: only a match ending in text added after the min_tokens-th token counts.
-        if self.stop and self.num_tokens > self.min_tokens:
+        if self.num_tokens > self.min_tokens:
             before = self._context()
             text = before + piece
             match = _earliest_match(text, self.stop, len(before))

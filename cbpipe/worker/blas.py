@@ -151,12 +151,9 @@ def _distinct_products(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch
     library's choice depends on (the weight's shape, strides and dtype; a bias or none)."""
     seen: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear | FusedLinear):
+        if not isinstance(module, torch.nn.Linear | FusedLinear) or module.weight.is_meta:
             continue
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.is_meta:
-            continue
-        bias = getattr(module, "bias", None)
+        weight, bias = module.weight, module.bias
         key = (tuple(weight.shape), weight.stride(), weight.dtype, bias is not None)
         seen.setdefault(key, (weight, bias))
     return list(seen.values())
