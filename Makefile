@@ -28,7 +28,7 @@ test: install
 lint: install
 	$(BIN)/ruff check cbpipe tests scripts
 	$(BIN)/ruff format --check cbpipe tests scripts
-	$(BIN)/mypy cbpipe/protocol cbpipe/scheduler cbpipe/client cbpipe/server cbpipe/env.py
+	$(BIN)/mypy cbpipe/protocol cbpipe/scheduler cbpipe/client cbpipe/server cbpipe/env.py cbpipe/detokenizer.py
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -22,7 +22,7 @@ import msgpack
 
 from cbpipe.protocol.sampling import SamplingParams, safe_repr
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # A prompt of the longest model we serve is well under this; anything bigger is refused
 # before it is even unpacked.
@@ -48,6 +48,16 @@ class SamplingMode(enum.StrEnum):
     GREEDY = "greedy"  # argmax of the model's logits, for every sequence
     RANDOM = "random"  # temperature only (greedy rows where it is 0)
     FULL = "full"  # penalties, logit bias, min_p, top-k, top-p and top alternatives
+
+
+class TokenEnd(enum.IntEnum):
+    """How an entry of ``Tokens`` leaves its sample."""
+
+    MORE = 0  # more tokens follow
+    LAST = 1  # its last token is the sample's last (a length limit, say)
+    # Its last token is the sample's last, an EOS or stop token id: a token whose text is
+    # left out of the sample's (unless include_stop_str_in_output), as vLLM leaves it out.
+    STOP_TOKEN = 2
 
 
 class Message:
@@ -90,8 +100,13 @@ class Submit(Message):
 
 @dataclass(frozen=True)
 class Cancel(Message):
+    """Client -> scheduler: stop the job, or only its sample ``index`` (a client that makes
+    the text itself stops a sample whose stop string it found). Each stopped sample gets a
+    ``Finished`` of ``"cancelled"``; a sample's cancel applies once the job has started."""
+
     TYPE: ClassVar[str] = "cancel"
     request_id: int
+    index: int | None = None  # None: every sample of the job
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,9 @@ class Tokens(Message):
     ``texts[i]`` is the text those tokens add (held back while a stop string might still
     match, so it never has to be retracted), ``logprobs[i][t]`` the log-probability of token
     ``t`` and ``top_ids[i][t]`` / ``top_logprobs[i][t]`` its most likely alternatives.
+    ``ends[i]`` (a ``TokenEnd``; the column is present when any entry ends its sample) says
+    whether the entry's last token is its sample's last, and if it is an EOS or stop token:
+    what a client that makes the text itself needs to stream it as the engine would.
     """
 
     TYPE: ClassVar[str] = "tokens"
@@ -124,10 +142,12 @@ class Tokens(Message):
     logprobs: list[list[float]] | None = None
     top_ids: list[list[list[int]]] | None = None
     top_logprobs: list[list[list[float]]] | None = None
+    ends: list[int] | None = None  # TokenEnd values; None: no entry ends its sample
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
-        for name in ("token_ids", "indices", "texts", "logprobs", "top_ids", "top_logprobs"):
+        columns = ("token_ids", "indices", "texts", "logprobs", "top_ids", "top_logprobs", "ends")
+        for name in columns:
             column = getattr(self, name)
             if column is not None and len(column) != n:
                 raise ValueError(f"tokens: {name} and request_ids differ in length")

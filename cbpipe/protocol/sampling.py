@@ -7,6 +7,7 @@ and lists are bounded so that one request's share of a slot is bounded too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 from dataclasses import dataclass, field
@@ -209,6 +210,13 @@ class SamplingParams:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise ValueError("structured_output must be a StructuredOutput")
             self.structured_output.validate()
+
+    def without_text(self) -> SamplingParams:
+        """These parameters as the engine gets them from a client that makes the text itself:
+        token ids only, the stop strings matched by the client."""
+        if not self.detokenize:
+            return self
+        return dataclasses.replace(self, detokenize=False, stop=())
 
     @property
     def is_greedy(self) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import zmq
 
+from cbpipe.detokenizer import Detokenizer, SampleText
 from cbpipe.protocol.messages import (
     MAX_FRAME_BYTES,
     Cancel,
@@ -40,6 +41,7 @@ from cbpipe.protocol.messages import (
     ProtocolError,
     Stats,
     Submit,
+    TokenEnd,
     Tokens,
     Welcome,
     decode,
@@ -52,7 +54,6 @@ from cbpipe.scheduler.core import RequestUpdate, Scheduler
 from cbpipe.scheduler.preparation import Preparation, Prepared, PromptTooLong
 from cbpipe.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from cbpipe.scheduler.structured import Grammars, TokenGrammar
-from cbpipe.scheduler.text import Detokenizer, SampleText
 
 log = logging.getLogger("cbpipe.scheduler")
 
@@ -271,15 +272,34 @@ class Frontend:
     def _on_cancel(self, identity: bytes, message: Message) -> None:
         assert isinstance(message, Cancel)
         origin = Origin(identity, message.request_id)
-        pending = self._preparing.pop(origin, None)
+        index = message.index
+        pending = self._preparing.get(origin)
         if pending is not None:  # not a request yet: its samples end here
-            for index in range(pending.params.n):
-                self._send(identity, Finished(message.request_id, "cancelled", None, 0, index))
+            if index is not None:
+                # A sample is stopped for what it produced; this job produced nothing yet.
+                log.debug("ignored a cancel of sample %d of a job not started yet", index)
+                return
+            del self._preparing[origin]
+            for sample in range(pending.params.n):
+                self._send(identity, Finished(message.request_id, "cancelled", None, 0, sample))
             return
         job = self._jobs.get(origin)
         if job is None:
             return  # already finished: the client has or will get its Finished
-        self._cancel(job)
+        if index is None:
+            self._cancel(job, job.open)
+        elif 0 <= index < len(job.engine_ids):
+            self._cancel(job, {job.engine_ids[index]} & job.open)
+        else:
+            self._send(
+                identity,
+                Error(
+                    message.request_id,
+                    ErrorKind.REQUEST,
+                    f"cancel: job {message.request_id} has no sample {index}; it has "
+                    f"{len(job.engine_ids)}",
+                ),
+            )
 
     def _on_get_stats(self, identity: bytes, message: Message) -> None:
         scheduler = self.scheduler
@@ -308,12 +328,12 @@ class Frontend:
             del self._preparing[origin]
         orphans = [job for origin, job in self._jobs.items() if origin.identity == identity]
         for job in orphans:
-            self._cancel(job)
+            self._cancel(job, job.open)
         if orphans:
             log.info("client %s %s: cancelled %d jobs", identity.hex(), why, len(orphans))
 
-    def _cancel(self, job: Job) -> None:
-        for engine_id in list(job.open):
+    def _cancel(self, job: Job, engine_ids: set[int]) -> None:
+        for engine_id in list(engine_ids):
             req = self.scheduler.cancel(engine_id)
             if req is not None:
                 self._finish(req)
@@ -403,7 +423,7 @@ class Frontend:
         sample. Stop strings found in the text finish their samples here."""
         self.num_steps += 1
         self.num_generation_tokens += len(updates)
-        by_client: dict[bytes, list[tuple[Job, RequestUpdate, str | None]]] = {}
+        by_client: dict[bytes, list[_Entry]] = {}
         finished = []
         job_of = self._job_of
         for update in updates:
@@ -414,16 +434,20 @@ class Frontend:
             # Judged by the update, not by the request: a later step may have been applied
             # already, and finished it with a token still to stream.
             done = update.finished
+            end = TokenEnd.MORE
+            if done:
+                # A finishing update holds the request's last output: the outputs count up
+                # to it.
+                ends = req.ends_on(update.token_id, len(req.output_token_ids))
+                end = TokenEnd.STOP_TOKEN if ends else TokenEnd.LAST
             delta = None
             text = job.texts.get(req.request_id) if job.texts else None
             if text is not None:
-                # vLLM's: the EOS or stop token that ends a sample adds no text. A finishing
-                # update holds the request's last output: the outputs count up to it.
-                ends = done and req.ends_on(update.token_id, len(req.output_token_ids))
-                delta = text.add(update.token_id, stop_terminated=ends)
+                # vLLM's: the EOS or stop token that ends a sample adds no text.
+                delta = text.add(update.token_id, stop_terminated=end is TokenEnd.STOP_TOKEN)
                 if text.stopped_by is not None:
                     self._stop_on_string(req, text.stopped_by)
-                    done = True
+                    done, end = True, TokenEnd.LAST
                 elif done:  # its last token: the text held back for stop strings goes with it
                     delta += text.release()
             if req.params.prompt_logprobs is not None and not job.prompt_logprobs_sent:
@@ -433,7 +457,7 @@ class Frontend:
             entries = by_client.get(identity)
             if entries is None:
                 entries = by_client[identity] = []
-            entries.append((job, update, delta))
+            entries.append((job, update, delta, end))
             if done:
                 finished.append(req)
         for identity, entries in by_client.items():
@@ -536,11 +560,16 @@ def _prompt_logprobs_frame(job: Job, req: Request) -> PromptLogprobs:
     )
 
 
-def _tokens_frame(entries: list[tuple[Job, RequestUpdate, str | None]]) -> Tokens:
+# A client's share of a step, an entry per sample that moved: its job, its update, the text
+# it adds (None: the job is not detokenized here) and how it leaves the sample.
+_Entry = tuple[Job, RequestUpdate, str | None, TokenEnd]
+
+
+def _tokens_frame(entries: list[_Entry]) -> Tokens:
     """One client's share of a step as one ``Tokens`` frame; optional columns only when a job
-    in it asked for them."""
+    in it asked for them, or (``ends``) a sample in it ends."""
     # Columns by transposing, in C: one frame may hold every sequence of a step.
-    jobs, updates, texts = zip(*entries, strict=True)
+    jobs, updates, texts, ends = zip(*entries, strict=True)
     reqs, token_ids, logprobs, tops, _ = zip(*updates, strict=True)
     indices = [req.sample_index for req in reqs]
     with_logprobs = [req.params.logprobs is not None for req in reqs]
@@ -562,4 +591,5 @@ def _tokens_frame(entries: list[tuple[Job, RequestUpdate, str | None]]) -> Token
         top_logprobs=[[top[1].tolist()] if top is not None else [] for top in tops]
         if with_top
         else None,
+        ends=list(ends) if any(ends) else None,
     )

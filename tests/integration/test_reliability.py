@@ -22,6 +22,7 @@ import pytest
 
 from cbpipe.client import Client, EngineError, RequestError
 from cbpipe.engine_process import EngineProcess
+from cbpipe.protocol import PROTOCOL_VERSION
 from tests.integration.conftest import (
     MODEL_FLAGS,
     EngineRun,
@@ -46,7 +47,7 @@ def nested(depth: int) -> bytes:
 
 
 def test_a_frame_nested_a_thousand_deep_gets_an_error(engine: EngineRun) -> None:
-    submit = msgpack.packb({"v": 1, "type": "submit", "request_id": 3, "params": {}})
+    submit = msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "request_id": 3, "params": {}})
     # The same map with a "prompt" whose value is 1000 levels deep.
     deep = b"\x85" + submit[1:] + msgpack.packb("prompt") + nested(1000)
     with RawConnection(engine.address) as raw:

@@ -22,6 +22,7 @@ from cbpipe.protocol.messages import (
     Message,
     PromptLogprobs,
     Submit,
+    TokenEnd,
     Tokens,
     decode,
     encode,
@@ -138,6 +139,52 @@ def test_cancelling_a_job_cancels_every_sample() -> None:
     reasons = [(f.index, f.finish_reason) for f in socket.of_type(Finished)]
     assert sorted(reasons) == [(0, "cancelled"), (1, "cancelled")]
     assert frontend.scheduler.blocks.num_free_blocks == 64
+
+
+def test_cancelling_one_sample_leaves_the_others_running() -> None:
+    """A client that makes the text itself cancels the sample whose stop string it found."""
+    frontend, socket = make_frontend()
+    submit(frontend, socket, 1, [5, 6], max_new_tokens=3, n=3, ignore_eos=True)
+    scheduler = frontend.scheduler
+    plan = scheduler.schedule()
+    frontend.publish(scheduler.update(plan, fake_output(plan, {})))
+    socket.inbox.append([CLIENT, encode(Cancel(1, index=1))])
+    frontend.receive()
+    assert [(f.index, f.finish_reason) for f in socket.of_type(Finished)] == [(1, "cancelled")]
+    socket.inbox.append([CLIENT, encode(Cancel(1, index=1))])  # again: already over
+    socket.inbox.append([CLIENT, encode(Cancel(1, index=3))])  # no such sample
+    frontend.receive()
+    frontend.receive()
+    (error,) = socket.of_type(Error)
+    assert (error.request_id, error.kind) == (
+        1,
+        ErrorKind.REQUEST,
+    ) and "no sample 3" in error.message
+    while scheduler.requests:
+        plan = scheduler.schedule()
+        frontend.publish(scheduler.update(plan, fake_output(plan, {})))
+    reasons = sorted((f.index, f.finish_reason) for f in socket.of_type(Finished))
+    assert reasons == [(0, "length"), (1, "cancelled"), (2, "length")]
+    assert [len(streamed(socket, i)) for i in range(3)] == [3, 1, 3]
+
+
+def test_tokens_say_which_entries_end_their_samples() -> None:
+    """``ends``: the sample's last token, and whether it is an EOS or stop token (whose text
+    a client that makes the text leaves out); absent from frames where nothing ends."""
+    frontend, socket = make_frontend()
+    submit(frontend, socket, 1, [5, 6], max_new_tokens=2, ignore_eos=True)
+    submit(frontend, socket, 2, [5, 6], max_new_tokens=9, stop_token_ids=(9,))
+    submit(frontend, socket, 3, [5, 6], max_new_tokens=9, ignore_eos=True)
+    scheduler = frontend.scheduler
+    for step in range(2):
+        plan = scheduler.schedule()
+        ids = [9 if s.req.params.stop_token_ids and step == 1 else 7 for s in plan.seqs]
+        frontend.publish(scheduler.update(plan, StepOutput.of_ids(ids)))
+    first, second = socket.of_type(Tokens)
+    assert first.ends is None
+    assert second.ends is not None
+    ends = dict(zip(second.request_ids, second.ends, strict=True))
+    assert ends == {1: TokenEnd.LAST, 2: TokenEnd.STOP_TOKEN, 3: TokenEnd.MORE}
 
 
 def run_sample_through(frontend: Frontend, ids: list[int]) -> None:

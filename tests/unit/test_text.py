@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cbpipe.detokenizer import Detokenizer, SampleText
 from cbpipe.models import EMBEDDED_MODEL_DIR
-from cbpipe.scheduler.text import Detokenizer, SampleText
 
 TEXT = "Return the list of all the elements, héllo wörld 日本語 🎉 ok.\nNext: a line"
 
