@@ -36,6 +36,7 @@ from cbpipe.client.jobs import (
     route_reply,
     submit_frame,
 )
+from cbpipe.detokenizer import Detokenizer
 from cbpipe.protocol.messages import (
     MAX_FRAME_BYTES,
     Cancel,
@@ -58,10 +59,16 @@ class AsyncJob:
     ``result()`` may be mixed and awaited by several tasks; a late reader still gets
     everything from the start."""
 
-    def __init__(self, request_id: int, params: SamplingParams, client: AsyncClient) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        params: SamplingParams,
+        client: AsyncClient,
+        detokenizer: Detokenizer | None = None,
+    ) -> None:
         self.request_id = request_id
         self._client = client
-        self._state = JobState(request_id, params)
+        self._state = JobState(request_id, params, detokenizer)
         self._changed = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -161,8 +168,10 @@ class AsyncJob:
         return self._state.done
 
     def _add_tokens(self, frame: Tokens, entry: int) -> None:
-        self._state.on_tokens(frame, entry)
+        stopped = self._state.on_tokens(frame, entry)
         self._changed.set()
+        if stopped is not None and self._client.failure is None and not self._client._closing:
+            self._client._send_nowait(encode(Cancel(self.request_id, stopped)))
 
 
 class AsyncClient:
@@ -170,10 +179,16 @@ class AsyncClient:
     AsyncClient.connect(address)`` or ``async with AsyncClient(address) as client``; use it
     from the event loop that connected it."""
 
-    def __init__(self, address: str, *, api_key: str | None = None) -> None:
+    def __init__(
+        self, address: str, *, api_key: str | None = None, tokenizer: Any | None = None
+    ) -> None:
         """A client of the engine at ``address`` (connect it before use); ``api_key``
-        (default ``$CBPIPE_API_KEY``) is needed for an engine that serves other machines."""
+        (default ``$CBPIPE_API_KEY``) is needed for an engine that serves other machines.
+        ``tokenizer`` (the model's, as ``AutoTokenizer`` loads it): this client makes its
+        jobs' text itself, and the engine sends token ids only (``Client``'s docs say
+        why)."""
         self.address = address
+        self._detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         configure_client_socket(self._socket, address, api_key)
@@ -190,11 +205,16 @@ class AsyncClient:
 
     @classmethod
     async def connect(
-        cls, address: str, *, connect_timeout: float = 30.0, api_key: str | None = None
+        cls,
+        address: str,
+        *,
+        connect_timeout: float = 30.0,
+        api_key: str | None = None,
+        tokenizer: Any | None = None,
     ) -> AsyncClient:
         """A client that the engine at ``address`` has welcomed; ``EngineError`` if no
         engine answers within ``connect_timeout`` seconds."""
-        client = cls(address, api_key=api_key)
+        client = cls(address, api_key=api_key, tokenizer=tokenizer)
         await client._start(connect_timeout)
         return client
 
@@ -247,8 +267,11 @@ class AsyncClient:
         self._check_usable()
         request_id = next(self._ids)
         limit = self._welcome.max_frame_bytes if self._welcome is not None else MAX_FRAME_BYTES
-        params, frame = submit_frame(request_id, prompt, max_new_tokens, options, limit)
-        job = AsyncJob(request_id, params, self)
+        text_here = self._detokenizer is not None
+        params, frame = submit_frame(
+            request_id, prompt, max_new_tokens, options, limit, text_here=text_here
+        )
+        job = AsyncJob(request_id, params, self, self._detokenizer)
         self._jobs[request_id] = job
         self._send_nowait(frame)
         return job

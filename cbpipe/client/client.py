@@ -34,6 +34,7 @@ from cbpipe.client.jobs import (
     route_reply,
     submit_frame,
 )
+from cbpipe.detokenizer import Detokenizer
 from cbpipe.protocol.messages import (
     MAX_FRAME_BYTES,
     Cancel,
@@ -57,10 +58,16 @@ class Job:
     """One submitted generation of ``n`` samples. Thread-safe; ``stream()``, ``deltas()`` and
     ``result()`` may be mixed, and a late reader still gets everything from the start."""
 
-    def __init__(self, request_id: int, params: SamplingParams, client: Client) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        params: SamplingParams,
+        client: Client,
+        detokenizer: Detokenizer | None = None,
+    ) -> None:
         self.request_id = request_id
         self._client = client
-        self._state = JobState(request_id, params)
+        self._state = JobState(request_id, params, detokenizer)
         self._changed = threading.Condition()
 
     def __repr__(self) -> str:
@@ -122,19 +129,34 @@ class Job:
 
     def _add_tokens(self, frame: Tokens, entry: int) -> None:
         with self._changed:
-            self._state.on_tokens(frame, entry)
+            stopped = self._state.on_tokens(frame, entry)
             self._changed.notify_all()
+        if stopped is not None:
+            self._client._send(Cancel(self.request_id, stopped))
 
 
 class Client:
     """A connection to one engine. Usable from many threads, and as a context manager."""
 
     def __init__(
-        self, address: str, *, connect_timeout: float = 30.0, api_key: str | None = None
+        self,
+        address: str,
+        *,
+        connect_timeout: float = 30.0,
+        api_key: str | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
         """Connect to the engine at ``address``; ``api_key`` (default ``$CBPIPE_API_KEY``)
-        is needed for an engine that serves other machines (``--allow-remote``)."""
+        is needed for an engine that serves other machines (``--allow-remote``).
+
+        ``tokenizer`` (the model's, as ``AutoTokenizer`` loads it): this client makes its
+        jobs' text itself (decoding, stop strings) and the engine sends token ids only. The
+        text is the same either way; what moves is the work, off the engine's scheduling
+        thread, which at hundreds of streams of a small model spends as much on text as on
+        the rest of a step. A sample whose stop string this client finds is cancelled on
+        the engine, which may have made a token or two more by then: they are dropped."""
         self.address = address
+        self._detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         configure_client_socket(self._socket, address, api_key)
@@ -193,8 +215,11 @@ class Client:
         ``logprobs``, ``n``, ...); ``logit_bias`` maps token ids to biases."""
         request_id = next(self._ids)
         limit = self._welcome.max_frame_bytes if self._welcome is not None else MAX_FRAME_BYTES
-        params, frame = submit_frame(request_id, prompt, max_new_tokens, options, limit)
-        job = Job(request_id, params, self)
+        text_here = self._detokenizer is not None
+        params, frame = submit_frame(
+            request_id, prompt, max_new_tokens, options, limit, text_here=text_here
+        )
+        job = Job(request_id, params, self, self._detokenizer)
         with self._jobs_lock:
             self._check_usable()
             self._jobs[job.request_id] = job

@@ -5,6 +5,13 @@ routing of the engine's replies to jobs, and the socket's set-up.
 finishes, errors) and ``route_reply`` decides which job a frame is for; neither knows of
 threads, asyncio or sockets. ``Client`` feeds them from its I/O thread, ``AsyncClient`` from
 its event loop, and each wakes its own waiters (a ``ReplySink``).
+
+A client given the model's tokenizer makes its jobs' text itself, as vLLM's front-end does:
+the engine sends token ids only, ``JobState`` decodes them and matches the stop strings (the
+same ``detokenizer`` stage the engine would run, so the text is the same), drops what the
+engine made after a match, and its owner cancels that sample on the engine. This takes the
+text off the engine's one scheduling thread, whose time per step bounds every client's
+throughput, and spreads it over the clients (the HTTP server's processes, say).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any, NamedTuple, Protocol, TypedDict
 import zmq
 
 from cbpipe import env
+from cbpipe.detokenizer import Detokenizer, SampleText
 from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import (
     REPLY_TYPES,
@@ -31,6 +39,7 @@ from cbpipe.protocol.messages import (
     ProtocolError,
     Stats,
     Submit,
+    TokenEnd,
     Tokens,
     Welcome,
     decode,
@@ -223,12 +232,16 @@ def submit_frame(
     max_new_tokens: int,
     options: SamplingOptions,
     max_frame_bytes: int,
+    *,
+    text_here: bool = False,
 ) -> tuple[SamplingParams, bytes]:
     """The validated parameters and the encoded ``Submit`` of one job; ``RequestError`` for a
-    bad parameter or prompt, or a frame over the engine's limit."""
+    bad parameter or prompt, or a frame over the engine's limit. ``text_here``: the client
+    makes the job's text, and the engine is asked for token ids only."""
     params = make_params(max_new_tokens, options)
+    wire = params.without_text() if text_here else params
     try:
-        frame = encode(Submit(request_id, prompt_payload(prompt), params))
+        frame = encode(Submit(request_id, prompt_payload(prompt), wire))
     except UnicodeEncodeError as exc:  # half of a UTF-16 pair, say: no UTF-8 spells it
         where = _field_holding(exc.object, prompt, params)
         raise RequestError(
@@ -305,6 +318,7 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     result: Result | None = None
+    text: SampleText | None = None  # its text, when this client makes it
 
 
 # A delta in ``JobState._marks``: sample index, token start and stop, its text's place in
@@ -315,10 +329,21 @@ _MARK = struct.Struct("=5q")
 class JobState:
     """Everything known of one job of ``n`` samples. Not thread-safe: the owner locks."""
 
-    def __init__(self, request_id: int, params: SamplingParams) -> None:
+    def __init__(
+        self, request_id: int, params: SamplingParams, detokenizer: Detokenizer | None = None
+    ) -> None:
+        """``detokenizer``: this client makes the job's text (the engine sends ids only)."""
         self.request_id = request_id
         self.params = params
         self.samples = [_Sample() for _ in range(params.n)]
+        if detokenizer is not None and params.detokenize:
+            for sample in self.samples:
+                sample.text = detokenizer.sample(
+                    params.stop,
+                    params.min_tokens,
+                    skip_special_tokens=params.skip_special_tokens,
+                    include_stop=params.include_stop_str_in_output,
+                )
         # What each step added, in arrival order, a ``_MARK`` a delta over the sample's lists;
         # readers keep a cursor and get ``Delta``s made from them. Bytes are nothing the
         # garbage collector visits: an object kept per job per step (a delta with its token
@@ -368,26 +393,42 @@ class JobState:
             sample.top_logprobs[start:stop] if logprobs else None,
         )
 
-    def on_tokens(self, frame: Tokens, entry: int) -> None:
+    def on_tokens(self, frame: Tokens, entry: int) -> int | None:
+        """Apply one entry of a step's tokens. Returns the sample's index when a stop string
+        matched here ended it: its owner cancels that sample on the engine."""
         index = frame.indices[entry] if frame.indices is not None else 0
         token_ids = frame.token_ids[entry]
         sample = self.samples[index]
+        stopped = None
+        if sample.text is None:  # the engine's text, if any
+            entry_text = frame.texts[entry] if frame.texts is not None else ""
+        else:
+            if sample.text.stopped_by is not None:
+                return None  # what the engine made before it heard of the stop: dropped
+            end = frame.ends[entry] if frame.ends is not None else TokenEnd.MORE
+            token_ids, entry_text = _add_text(sample.text, token_ids, end)
+            if sample.text.stopped_by is not None and end == TokenEnd.MORE:
+                stopped = index
         start = len(sample.token_ids)
         sample.token_ids.extend(token_ids)
+        n = len(token_ids)
         # A job that asked for log-probabilities gets them in every frame that moves it, so
         # its lists stay in step with its tokens and a delta's positions index all three.
         if frame.logprobs is not None and self.params.logprobs is not None:
-            sample.logprobs.extend(frame.logprobs[entry])
+            sample.logprobs.extend(frame.logprobs[entry][:n])
         if frame.top_ids is not None and frame.top_logprobs is not None and self.params.logprobs:
             sample.top_logprobs.extend(
                 list(zip(ids, lps, strict=True))
-                for ids, lps in zip(frame.top_ids[entry], frame.top_logprobs[entry], strict=True)
+                for ids, lps in zip(
+                    frame.top_ids[entry][:n], frame.top_logprobs[entry][:n], strict=True
+                )
             )
         text = -1
-        if frame.texts is not None and frame.texts[entry]:
+        if entry_text:
             text = len(self._texts)
-            self._texts.append(frame.texts[entry])
-        self._marks += _MARK.pack(index, start, start + len(token_ids), text, 0)
+            self._texts.append(entry_text)
+        self._marks += _MARK.pack(index, start, start + n, text, 0)
+        return stopped
 
     def on_prompt_logprobs(self, message: PromptLogprobs) -> None:
         def top(i: int) -> TopLogprobs:
@@ -403,16 +444,24 @@ class JobState:
     def on_finished(self, message: Finished) -> None:
         sample = self.samples[message.index]
         params = self.params
+        text, reason, stop_reason = message.text, message.finish_reason, message.stop_reason
+        if sample.text is not None:
+            # A sample's last token streamed what was held back for stop strings; one
+            # cancelled (or stopped here) has no last token, and its text takes it now.
+            sample.text.release()
+            text = sample.text.text
+            if sample.text.stopped_by is not None:  # the engine heard of it as a cancel
+                reason, stop_reason = "stop", sample.text.stopped_by
         sample.result = Result(
             token_ids=list(sample.token_ids),
-            text=message.text,
-            finish_reason=message.finish_reason,
+            text=text,
+            finish_reason=reason,
             num_prompt_tokens=message.num_prompt_tokens,
             index=message.index,
             logprobs=list(sample.logprobs) if params.logprobs is not None else None,
             top_logprobs=list(sample.top_logprobs) if params.logprobs else None,
             prompt_logprobs=self.prompt_logprobs,
-            stop_reason=message.stop_reason,
+            stop_reason=stop_reason,
             queue_time_s=message.queue_time_s,
             num_cached_tokens=message.num_cached_tokens,
         )
@@ -433,6 +482,22 @@ class JobState:
         results = [s.result for s in self.samples]
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+
+def _add_text(text: SampleText, token_ids: list[int], end: int) -> tuple[list[int], str]:
+    """Decode one entry's tokens into ``text``: the tokens it keeps (those up to a stop
+    string's match) and the text they stream, as the engine's text stage streams it."""
+    if end == TokenEnd.MORE and len(token_ids) == 1:  # a step's token: most entries
+        return token_ids, text.add(token_ids[0])
+    pieces = []
+    last = len(token_ids) - 1
+    for i, token_id in enumerate(token_ids):
+        pieces.append(text.add(token_id, stop_terminated=i == last and end == TokenEnd.STOP_TOKEN))
+        if text.stopped_by is not None:
+            return token_ids[: i + 1], "".join(pieces)
+    if end != TokenEnd.MORE:  # its last token: the text held back for stop strings goes too
+        pieces.append(text.release())
+    return token_ids, "".join(pieces)
 
 
 # --- routing the engine's replies ------------------------------------------------------------

@@ -100,12 +100,17 @@ async def _serve(
     source = resolve_model(
         spec.config.model.model, spec.config.model.revision, spec.config.model.tokenizer
     )
+    name = server_config.served_model_name or spec.config.model.model
+    text = Text.load(source.tokenizer_path, name, server_config.chat_template)
+    # The server makes its streams' text itself: the engine's one scheduling thread sends
+    # token ids, and the servers' processes share the decoding.
     client = await AsyncClient.connect(
-        spec.addresses.client, connect_timeout=CONNECT_TIMEOUT_S, api_key=spec.config.api_key
+        spec.addresses.client,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        api_key=spec.config.api_key,
+        tokenizer=text.tokenizer,
     )
     try:
-        name = server_config.served_model_name or spec.config.model.model
-        text = Text.load(source.tokenizer_path, name, server_config.chat_template)
         defaults = SamplingDefaults.chosen(server_config.generation_config, source.path)
         if first and (recommended := defaults.describe()):
             log.info("requests that leave them out get the model's sampling defaults: %s "

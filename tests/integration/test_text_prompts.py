@@ -36,16 +36,19 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "1, 2, 3,"]
 
 
 @pytest.fixture(scope="module")
-def text_client(text_engine: EngineRun) -> Iterator[Client]:
-    with Client(text_engine.address) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(TEXT_MODEL_DIR)
+
+
+@pytest.fixture(scope="module", params=["engine", "client"], ids=["text-by-engine", "text-here"])
+def text_client(request: pytest.FixtureRequest, text_engine: EngineRun) -> Iterator[Client]:
+    """A client whose jobs' text the engine makes, or one that makes it itself from the
+    model's tokenizer: every test of text holds for both."""
+    tokenizer = request.getfixturevalue("tokenizer") if request.param == "client" else None
+    with Client(text_engine.address, tokenizer=tokenizer) as client:
+        yield client
 
 
 @needs_text_model
@@ -201,6 +204,74 @@ def test_n_samples_of_one_prompt(text_client: Client) -> None:
         job.result(timeout=1)
     with pytest.raises(ValueError, match="deltas"):  # the samples' tokens would interleave
         job.stream(timeout=1)
+
+
+@needs_text_model
+def test_text_made_here_is_the_engines_for_every_sample(
+    text_engine: EngineRun, tokenizer: Any
+) -> None:
+    """Samples of one job, one of which a stop string ends (only it is cancelled on the
+    engine), some with the stop string kept in the text: the same tokens, text, finish
+    reasons and log-probabilities whichever side makes the text."""
+    options: dict[str, Any] = {"max_new_tokens": 32, "ignore_eos": True, "temperature": 1.0}
+    with (
+        Client(text_engine.address) as by_engine,
+        Client(text_engine.address, tokenizer=tokenizer) as here,
+    ):
+        free = by_engine.submit(PROMPTS[2], n=3, seed=11, **options).results(RESULT_TIMEOUT_S)
+        text = free[1].text
+        assert text is not None and len(text) > 12
+        stop = next(
+            text[i : i + 3]
+            for i in range(6, len(text) - 3)
+            if text[i : i + 3] not in ((free[0].text or "") + (free[2].text or ""))
+        )
+        for include in (False, True):
+            asked = {
+                "n": 3, "seed": 11, "stop": [stop], "logprobs": 2,
+                "include_stop_str_in_output": include, **options,
+            }  # fmt: skip
+            expected = by_engine.submit(PROMPTS[2], **asked).results(RESULT_TIMEOUT_S)
+            job = here.submit(PROMPTS[2], **asked)
+            deltas = list(job.deltas(timeout=RESULT_TIMEOUT_S))
+            got = job.results(RESULT_TIMEOUT_S)
+            assert [(r.finish_reason, r.stop_reason) for r in got] == [
+                ("length", None),
+                ("stop", stop),
+                ("length", None),
+            ]
+            for mine, theirs in zip(got, expected, strict=True):
+                assert (mine.token_ids, mine.text, mine.finish_reason, mine.stop_reason) == (
+                    theirs.token_ids,
+                    theirs.text,
+                    theirs.finish_reason,
+                    theirs.stop_reason,
+                )
+                assert (mine.logprobs, mine.top_logprobs) == (theirs.logprobs, theirs.top_logprobs)
+                streamed = [d for d in deltas if d.index == mine.index]
+                assert "".join(d.text for d in streamed) == mine.text
+                assert [t for d in streamed for t in d.token_ids] == mine.token_ids
+
+
+@needs_text_model
+def test_a_stop_string_found_here_stops_the_sample_on_the_engine(
+    text_engine: EngineRun, tokenizer: Any
+) -> None:
+    """The engine hears of a stop string found by the client as a cancel: it stops a few
+    tokens after the match, not at the job's length limit."""
+    with Client(text_engine.address, tokenizer=tokenizer) as client:
+        options: dict[str, Any] = {"max_new_tokens": 48, "ignore_eos": True}
+        reference = client.submit(PROMPTS[0], **options).result(timeout=RESULT_TIMEOUT_S)
+        assert reference.text is not None and len(reference.text) > 12
+        stop = reference.text[8:12]
+        before = client.stats().num_generation_tokens
+        long = {**options, "max_new_tokens": 1000}
+        result = client.submit(PROMPTS[0], stop=[stop], **long).result(timeout=RESULT_TIMEOUT_S)
+        made = client.stats().num_generation_tokens - before
+    assert (result.finish_reason, result.stop_reason) == ("stop", stop)
+    assert result.token_ids == reference.token_ids[: len(result.token_ids)]
+    # A few steps' worth past the match, at most: the engine pipelines a step or two ahead.
+    assert len(result.token_ids) <= made <= len(result.token_ids) + 16
 
 
 @needs_text_model
