@@ -165,6 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FLAG",
         help="extra cbpipe-launch flag, repeatable: --launch-arg=--block-size=32",
     )
+    p.add_argument(
+        "--client-tokenizer",
+        metavar="PATH",
+        help="the client makes the text itself from this tokenizer (a folder, as the HTTP "
+        "server does), and the engine sends token ids; without it, an engine that has a "
+        "tokenizer makes the text",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for all results")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -357,7 +364,12 @@ def print_ramp(mode: str, ramp: list[StepRecord], most: int = 40) -> None:
 def _run_on(
     engine: EngineProcess, args: argparse.Namespace, mode: str, workload: Workload, startup_s: float
 ) -> tuple[ModeResult, list[list[int]]]:
-    with Client(engine.address) as client:
+    tokenizer = None
+    if args.client_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.client_tokenizer)
+    with Client(engine.address, tokenizer=tokenizer) as client:
         lens = zip(workload.prompt_lens, workload.output_lens, strict=True)
         longest = workload.shared_prefix_len + max(p + o for p, o in lens)
         if longest > client.max_model_len:

@@ -5,14 +5,17 @@ The scheduler core and the packer run in the engine's asynchronous call order (s
 planned and packed before step N's sampled ids are applied) over a mixed workload; the
 sampled ids are whatever the output region holds, since only the bookkeeping is timed. Jobs
 come in through the frontend, and each step's updates are published through it to a socket
-that encodes every frame and drops it (``--num-clients`` clients, jobs dealt round robin).
-Times are process CPU time, so a busy machine disturbs them less than wall time would.
+that encodes every frame (``--num-clients`` clients, jobs dealt round robin); the clients'
+part of a step, decoding those frames into their jobs' states, is timed apart. Times are
+process CPU time, so a busy machine disturbs them less than wall time would.
 
     python scripts/bench_scheduler.py --num-requests 1024 --max-num-seqs 256
 
 With ``--detokenize --tokenizer T`` every request streams text, as requests to a model with a
 tokenizer do by default: the scheduler's text stage (``scheduler/text.py``) decodes each
-sampled id (drawn at random across T's vocabulary) and matches stop strings.
+sampled id (drawn at random across T's vocabulary) and matches stop strings. Add
+``--text-here`` for clients that make the text themselves from T (as the HTTP server does):
+the scheduler sends ids only, and the text's cost moves to the clients' part.
 
 With ``--structured F --tokenizer T`` a fraction F of the requests follow a JSON schema
 (structured output): their masks are computed by llguidance over T's vocabulary when their
@@ -37,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from cbpipe.client import SamplingOptions
-from cbpipe.client.jobs import submit_frame
+from cbpipe.client.jobs import JobState, submit_frame
 from cbpipe.collector import CollectorPacing
-from cbpipe.protocol.messages import Step
+from cbpipe.detokenizer import Detokenizer
+from cbpipe.protocol.messages import Finished, Step, Tokens, decode
 from cbpipe.protocol.slots import SlotLayout, SlotLimits, SlotViews
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
@@ -47,20 +51,35 @@ from cbpipe.scheduler.frontend import Frontend, ModelInfo
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.structured import Grammars
 
-PARTS = ("schedule", "pack", "update", "publish")
+PARTS = ("schedule", "pack", "update", "publish", "clients")
 
 
-class DiscardingSocket:
-    """The frontend's client socket: the frames are built and encoded, then dropped."""
+class ClientsSocket:
+    """The frontend's client socket: the frames are built and encoded, and kept for the
+    clients' part until ``deliver`` routes them into the jobs' states."""
 
     def __init__(self, inbox: list[list[bytes]]) -> None:
         self.inbox = inbox
+        self.outbox: list[bytes] = []
+        self.jobs: dict[int, JobState] = {}  # by request id: unique over the clients here
 
     def recv_multipart(self, copy: bool = True) -> list[bytes]:
         return self.inbox.pop()
 
     def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
-        pass
+        self.outbox.append(parts[1])
+
+    def deliver(self) -> None:
+        """What the clients do with the frames: decode each, apply it to its jobs."""
+        jobs = self.jobs
+        for frame in self.outbox:
+            message = decode(frame)
+            if isinstance(message, Tokens):
+                for entry, request_id in enumerate(message.request_ids):
+                    jobs[request_id].on_tokens(message, entry)
+            elif isinstance(message, Finished):
+                jobs[message.request_id].on_finished(message)
+        self.outbox.clear()
 
 
 # A record of the kind tool calls and extraction ask for, whose strings and arrays have no
@@ -176,6 +195,12 @@ def parse_args() -> argparse.Namespace:
         "tokenizer): the scheduler's text stage, over --tokenizer's vocabulary",
     )
     p.add_argument(
+        "--text-here",
+        action="store_true",
+        help="with --detokenize: the clients make the text (as the HTTP server does), the "
+        "scheduler sends token ids",
+    )
+    p.add_argument(
         "--tokenizer",
         help="a Hugging Face tokenizer (a folder or a tokenizer.json), or synthetic:N (a "
         "byte-level BPE of N tokens trained here on Python's sources)",
@@ -195,6 +220,8 @@ def main() -> None:
     max_len = args.shared_prefix + args.prompt_len[1] + args.output_len[1]
     blocks_per_seq = -(-max_len // args.block_size)
     tokenizer, vocab, grammars = None, 32000, None
+    if args.text_here and not args.detokenize:
+        raise SystemExit("--text-here needs --detokenize")
     if args.structured or args.detokenize:
         if not args.tokenizer:
             raise SystemExit("--structured and --detokenize need --tokenizer")
@@ -214,8 +241,10 @@ def main() -> None:
     )
     packer = BatchPacker(segment, layout, args.block_size)
     inbox: list[list[bytes]] = []
+    clients = ClientsSocket(inbox)
+    detokenizer = Detokenizer(tokenizer) if args.text_here else None
     frontend = Frontend(
-        DiscardingSocket(inbox),  # type: ignore[arg-type]
+        clients,  # type: ignore[arg-type]
         scheduler,
         ModelInfo("bench", vocab, max_len, frozenset()),
         tokenizer=tokenizer,
@@ -236,8 +265,11 @@ def main() -> None:
             options["structured_output"] = {"json": SCHEMA}
         client = f"client-{i % args.num_clients}".encode()
         start = time.process_time()
-        _, frame = submit_frame(i, prompt, rng.randint(*args.output_len), options, 1 << 30)
+        params, frame = submit_frame(
+            i, prompt, rng.randint(*args.output_len), options, 1 << 30, text_here=args.text_here
+        )
         client_s += time.process_time() - start
+        clients.jobs[i] = JobState(i, params, detokenizer)
         inbox.append([client, frame])
         start = time.process_time()
         frontend.receive()
@@ -301,7 +333,10 @@ def main() -> None:
         # The loop streams a step's results after the next step is sent, as here.
         start = time.process_time()
         frontend.publish(updates)
-        parts["publish"] = time.process_time() - start
+        published = time.process_time()
+        parts["publish"] = published - start
+        clients.deliver()
+        clients_s = time.process_time() - published
         if args.gc == "paced":
             collector.between_steps()
         kind = "decode-only" if packed.num_single_token_seqs == packed.num_seqs else "with prefill"
@@ -314,9 +349,13 @@ def main() -> None:
             cached_blocks.append(blocks.num_cached_blocks)
             for part, seconds in parts.items():
                 part_ms[kind, part].append(seconds * 1e3)
+            part_ms[kind, "clients"].append(clients_s * 1e3)
         step += 1
     while in_flight:
         frontend.publish(apply_oldest()[1])
+    clients.deliver()
+    unfinished = [job.request_id for job in clients.jobs.values() if not job.done]
+    assert not unfinished, f"jobs the clients never saw finish: {unfinished[:8]}"
 
     gc.callbacks.remove(on_collection)
     collector.stop()
@@ -359,7 +398,8 @@ def main() -> None:
             if part_ms[kind, part]
         ]
         if medians:
-            print(f"{kind:>13}: full-batch steps, median CPU ms per part: " + ", ".join(medians))
+            print(f"{kind:>13}: full-batch steps, median CPU ms per part: " + ", ".join(medians)
+                  + " (the clients' part is not the scheduler's)")  # fmt: skip
             seqs, masks = zip(*full_batch_sizes[kind], strict=True)
             print(f"{kind:>13}: full-batch steps, {statistics.mean(seqs):.1f} sequences and "
                   f"{statistics.mean(masks):.1f} token masks a step")  # fmt: skip

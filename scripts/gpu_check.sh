@@ -119,7 +119,8 @@
 #   BENCH_1B_TOKENIZER=    N: the llama-1b run once more with a byte-level BPE of N tokens
 #                          trained on the host's Python sources (128256, Llama 3's size; about
 #                          a minute the first time) as --tokenizer, so the scheduler's text
-#                          stage runs, which the presets, without a tokenizer, never do
+#                          stage runs, which the presets, without a tokenizer, never do;
+#                          then a third time with the client making the text instead
 #   STARTUP_MODEL=random:llama-8b   STARTUP_REPEATS=2
 #   STARTUP_VARIANTS=";--no-saved-traces"  the startup part's launch arguments, alternated
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
@@ -472,6 +473,13 @@ shutil.copy(synthetic_tokenizer($BENCH_1B_TOKENIZER), '$tokenizer_dir/tokenizer.
                     --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
                     --prompt-len 128 --output-len "$output_len" \
                     --launch-arg=--tokenizer="$tokenizer_dir" --trace-dir "$OUT/traces1b_text"
+                echo "exit code $?"
+                # And with the text made in the client, as the HTTP server makes it.
+                BENCH_MODES=${BENCH_1B_MODES:-$BENCH_MODES} bench llama1b_text_here \
+                    --model random:llama-1b --num-requests "$BENCH_1B_REQUESTS" \
+                    --prompt-len 128 --output-len "$output_len" \
+                    --launch-arg=--tokenizer="$tokenizer_dir" --client-tokenizer "$tokenizer_dir" \
+                    --trace-dir "$OUT/traces1b_text_here"
                 echo "exit code $?"
             fi
         fi
