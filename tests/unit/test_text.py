@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 from functools import cache
 from typing import Any
+from unittest import mock
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from cbpipe import detokenizer
 from cbpipe.detokenizer import Detokenizer, SampleText
 from cbpipe.models import EMBEDDED_MODEL_DIR
 
@@ -222,20 +224,28 @@ def _reference(pieces: list[str], stop: tuple[str, ...], min_tokens: int, includ
     return text if best is None else best
 
 
+@settings(max_examples=400)
+# Kept in the output, a stop string is looked for in text already streamed (nothing is held
+# back): here in a joined chunk.
+@example(pieces=["ab", "ca"], stop=("bc",), min_tokens=0, include=True, chunk=1)
 @given(
     pieces=st.lists(st.text(alphabet="abc", max_size=3), max_size=12),
     stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3).map(tuple),
     min_tokens=st.integers(0, 4),
     include=st.booleans(),
+    chunk=st.sampled_from([1, 2, 3, 64]),
 )
 def test_streamed_text_follows_the_stop_rules_at_any_piece_boundaries(
-    pieces: list[str], stop: tuple[str, ...], min_tokens: int, include: bool
+    pieces: list[str], stop: tuple[str, ...], min_tokens: int, include: bool, chunk: int
 ) -> None:
-    sample = SampleText(_Pieces(pieces), stop, min_tokens, include)
-    streamed = ""
-    for token in range(len(pieces)):
-        streamed += sample.add(token)
-        assert _reference(pieces, stop, min_tokens, include).startswith(streamed)
-    streamed += sample.release()
+    """``chunk``: pieces joined at a time, so a stop string's look-back also reaches into
+    text already joined."""
+    with mock.patch.object(detokenizer, "_PIECES_PER_CHUNK", chunk):
+        sample = SampleText(_Pieces(pieces), stop, min_tokens, include)
+        streamed = ""
+        for token in range(len(pieces)):
+            streamed += sample.add(token)
+            assert _reference(pieces, stop, min_tokens, include).startswith(streamed)
+        streamed += sample.release()
     assert streamed == sample.text == _reference(pieces, stop, min_tokens, include)
     assert sample.release() == ""
