@@ -18,6 +18,10 @@ no stop string is matched in it. ``include_stop_str_in_output`` keeps both, vLLM
 stop string stays at the text's end (what followed it in the same token is still cut), the
 ending token is decoded, and nothing is held back, since nothing streamed can be cut.
 Special tokens are left out of the text unless ``skip_special_tokens`` is false.
+
+The stage runs where the text is made: in the scheduler's frontend for a client without the
+model's tokenizer, in the client's ``JobState`` for one with it (the HTTP server's), so the
+engine's scheduling thread spends nothing on text.
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ own to the scheduler core, under an engine-wide id. Every way a frame can be wro
 as an ``Error`` reply (or a dropped frame when no client can be named); nothing that a client
 sends can reach the core unvalidated.
 
-Outbound, a step's results pass the text stage (``text.py``) on their way to the clients:
-each sample's tokens become text (but for the EOS or stop token that ends it, as in vLLM), and
-a stop string found there finishes the sample through ``Scheduler.finish`` like any other
-stop.
+Outbound, a step's results pass the text stage (``detokenizer.py``) on their way to the
+clients: each sample's tokens become text (but for the EOS or stop token that ends it, as in
+vLLM), and a stop string found there finishes the sample through ``Scheduler.finish`` like any
+other stop. A client that makes its jobs' text itself asks for ids only; the ``ends`` column
+of ``Tokens`` and a sample's own ``Cancel`` are what it needs to do it as this stage would.
 """
 
 from __future__ import annotations
