@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -223,6 +224,18 @@ class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Detokenizer | None:
+        """For a client's ``tokenizer=``: a tokenizer, the folder or Hub id to load one from
+        (``AutoTokenizer``), or None (no text made here)."""
+        if tokenizer is None:
+            return None
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        return cls(tokenizer)
 
     def sample(
         self,

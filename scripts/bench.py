@@ -364,12 +364,7 @@ def print_ramp(mode: str, ramp: list[StepRecord], most: int = 40) -> None:
 def _run_on(
     engine: EngineProcess, args: argparse.Namespace, mode: str, workload: Workload, startup_s: float
 ) -> tuple[ModeResult, list[list[int]]]:
-    tokenizer = None
-    if args.client_tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.client_tokenizer)
-    with Client(engine.address, tokenizer=tokenizer) as client:
+    with Client(engine.address, tokenizer=args.client_tokenizer) as client:
         lens = zip(workload.prompt_lens, workload.output_lens, strict=True)
         longest = workload.shared_prefix_len + max(p + o for p, o in lens)
         if longest > client.max_model_len:

@@ -184,11 +184,11 @@ class AsyncClient:
     ) -> None:
         """A client of the engine at ``address`` (connect it before use); ``api_key``
         (default ``$CBPIPE_API_KEY``) is needed for an engine that serves other machines.
-        ``tokenizer`` (the model's, as ``AutoTokenizer`` loads it): this client makes its
-        jobs' text itself, and the engine sends token ids only (``Client``'s docs say
+        ``tokenizer`` (the model's, or the folder or Hub id to load it from): this client
+        makes its jobs' text itself, and the engine sends token ids only (``Client``'s docs say
         why)."""
         self.address = address
-        self._detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self._detokenizer = Detokenizer.of(tokenizer)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         configure_client_socket(self._socket, address, api_key)

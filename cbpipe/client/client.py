@@ -149,14 +149,15 @@ class Client:
         """Connect to the engine at ``address``; ``api_key`` (default ``$CBPIPE_API_KEY``)
         is needed for an engine that serves other machines (``--allow-remote``).
 
-        ``tokenizer`` (the model's, as ``AutoTokenizer`` loads it): this client makes its
-        jobs' text itself (decoding, stop strings) and the engine sends token ids only. The
-        text is the same either way; what moves is the work, off the engine's scheduling
-        thread, which at hundreds of streams of a small model spends as much on text as on
-        the rest of a step. A sample whose stop string this client finds is cancelled on
-        the engine, which may have made a token or two more by then: they are dropped."""
+        ``tokenizer`` (the model's, or the folder or Hub id ``AutoTokenizer`` loads it from):
+        this client makes its jobs' text itself (decoding, stop strings) and the engine sends
+        token ids only. The text is the same either way; what moves is the work, off the
+        engine's scheduling thread, which at hundreds of streams of a small model spends
+        about as much on text as on the rest of a step. A sample whose stop string this
+        client finds is cancelled on the engine, which may have made a token or two more by
+        then: they are dropped."""
         self.address = address
-        self._detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self._detokenizer = Detokenizer.of(tokenizer)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         configure_client_socket(self._socket, address, api_key)

@@ -45,8 +45,8 @@ def tokenizer() -> Any:
 @pytest.fixture(scope="module", params=["engine", "client"], ids=["text-by-engine", "text-here"])
 def text_client(request: pytest.FixtureRequest, text_engine: EngineRun) -> Iterator[Client]:
     """A client whose jobs' text the engine makes, or one that makes it itself from the
-    model's tokenizer: every test of text holds for both."""
-    tokenizer = request.getfixturevalue("tokenizer") if request.param == "client" else None
+    model's tokenizer (loaded from its folder): every test of text holds for both."""
+    tokenizer = TEXT_MODEL_DIR if request.param == "client" else None
     with Client(text_engine.address, tokenizer=tokenizer) as client:
         yield client
 
