@@ -154,10 +154,7 @@ class SampleText:
         if not piece:
             return ""
         if not self.stop:  # nothing held back: the piece streams as it is
-            streamed = self._streamed
-            streamed.append(piece)
-            if len(streamed) == _PIECES_PER_CHUNK:
-                self._join_chunk()
+            self._append(piece)
             return piece
         # As vLLM: only a match ending in text added after the min_tokens-th token counts.
         if self.num_tokens > self.min_tokens:
@@ -201,14 +198,16 @@ class SampleText:
         if cut <= 0:
             return ""
         delta, self._held = self._held[:cut], self._held[cut:]
-        self._streamed.append(delta)
-        if len(self._streamed) == _PIECES_PER_CHUNK:
-            self._join_chunk()
+        self._append(delta)
         return delta
 
-    def _join_chunk(self) -> None:
-        self._chunks.append("".join(self._streamed))
-        self._streamed.clear()
+    def _append(self, piece: str) -> None:
+        """Add a streamed piece, joining the pieces into a chunk every so many."""
+        streamed = self._streamed
+        streamed.append(piece)
+        if len(streamed) == _PIECES_PER_CHUNK:
+            self._chunks.append("".join(streamed))
+            streamed.clear()
 
 
 def _earliest_match(text: str, stops: tuple[str, ...], searched: int) -> tuple[int, str] | None:

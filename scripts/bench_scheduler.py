@@ -12,7 +12,7 @@ process CPU time, so a busy machine disturbs them less than wall time would.
     python scripts/bench_scheduler.py --num-requests 1024 --max-num-seqs 256
 
 With ``--detokenize --tokenizer T`` every request streams text, as requests to a model with a
-tokenizer do by default: the scheduler's text stage (``scheduler/text.py``) decodes each
+tokenizer do by default: the scheduler's text stage (``cbpipe/detokenizer.py``) decodes each
 sampled id (drawn at random across T's vocabulary) and matches stop strings. Add
 ``--text-here`` for clients that make the text themselves from T (as the HTTP server does):
 the scheduler sends ids only, and the text's cost moves to the clients' part.
