@@ -270,8 +270,9 @@ def test_a_stop_string_found_here_stops_the_sample_on_the_engine(
         made = client.stats().num_generation_tokens - before
     assert (result.finish_reason, result.stop_reason) == ("stop", stop)
     assert result.token_ids == reference.token_ids[: len(result.token_ids)]
-    # A few steps' worth past the match, at most: the engine pipelines a step or two ahead.
-    assert len(result.token_ids) <= made <= len(result.token_ids) + 16
+    # Some steps past the match (the engine pipelines ahead, and on a loaded machine the
+    # client may take a while to answer), but far short of the length limit of 1000.
+    assert len(result.token_ids) <= made <= len(result.token_ids) + 300
 
 
 @needs_text_model
