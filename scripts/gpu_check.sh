@@ -28,6 +28,10 @@
 #            640, the bench part's mean) against gather+SDPA with a sweep of its settings (heads
 #            per program among them), the 8B's head_dim 128 without one, then the decode
 #            steps of STEP1B_PROFILES (the 1B x256 at context 640), compiled, profiled (~5 min)
+#   mixed    mixed steps (decodes beside prefill chunks, as a server under arrivals runs them)
+#            of random:MIXED_MODEL at context MIXED_CONTEXT, one per MIXED_MAKEUPS entry
+#            (DECODES:CHUNK:CHUNKS), eager layers and then compiled ones: wall, the kernels'
+#            device time from the profiler, and the top operators                (~3-5 min)
 #   imports  what the launcher's imports cost on this host: whether Python may write bytecode
 #            and the libraries ship it; `python -X importtime` of cbpipe.launcher, its 12
 #            slowest modules (cumulative), twice, then twice with PYTHONPYCACHEPREFIX set to
@@ -105,6 +109,8 @@
 #                          step1b profiles compiled, after its attention runs (empty: none);
 #                          FLAGS go to profile_step.py, word-split (llama-8b:32:640:--inductor
 #                          combo_kernels=True)
+#   MIXED_MODEL=llama-1b MIXED_CONTEXT=640 MIXED_MAKEUPS=253:127:3,64:512:4  the mixed part's
+#                          steps; MIXED_MODES="--no-compile-decode --compile-decode" its layers
 #   GEMM_MODEL=random:llama-1b GEMM_BATCH=256  the gemm part's shapes and rows (word-split
 #                          batches: "128 256"); GEMM_TIMEOUT=300 seconds for its sweep
 #   STEP1B_ATTENTION=1     0: step1b without its attention kernel runs
@@ -303,6 +309,33 @@ if want micro; then
         done
     } 2>&1 | tee "$OUT/micro.log"
     rcs+=("micro=$(grep '^exit code' "$OUT/micro.log" | awk '{print $3}' | paste -sd/ -)")
+fi
+
+if want mixed; then
+    {
+        IFS=, read -r -a makeups <<<"${MIXED_MAKEUPS:-253:127:3,64:512:4}"
+        read -r -a mixed_modes <<<"${MIXED_MODES:---no-compile-decode --compile-decode}"
+        for makeup in "${makeups[@]}"; do
+            IFS=: read -r decodes chunk chunks <<<"$makeup"
+            for mode in "${mixed_modes[@]}"; do
+                section "mixed step, random:${MIXED_MODEL:-llama-1b}: $decodes decodes at context" \
+                    "${MIXED_CONTEXT:-640} + $chunks chunks of $chunk, $mode"
+                # --no-compile-decode is profile_step.py's default; the flag names the run.
+                flag=$mode
+                [ "$mode" = --no-compile-decode ] && flag=
+                timeout -k 10 240 "$PY" scripts/profile_step.py --model "random:${MIXED_MODEL:-llama-1b}" \
+                    --dtype bfloat16 --batch "$decodes" --context "${MIXED_CONTEXT:-640}" \
+                    --prefill-len "$chunk" --prefill-seqs "$chunks" --steps 30 --profile \
+                    --profile-rows 14 $flag >"$OUT/.mixed.log" 2>&1
+                rc=$?
+                sed -n '/^runner ready/,$p' "$OUT/.mixed.log" | grep -v '^USDT' | head -40
+                [ "$rc" = 0 ] || { echo "..."; tail -25 "$OUT/.mixed.log"; }
+                rm -f "$OUT/.mixed.log"
+                echo "exit code $rc"
+            done
+        done
+    } 2>&1 | tee "$OUT/mixed.log"
+    rcs+=("mixed=$(grep '^exit code' "$OUT/mixed.log" | awk '{print $3}' | paste -sd/ -)")
 fi
 
 if want gemm; then

@@ -371,6 +371,20 @@ def _time_step(
         return
     with torch.profiler.profile(activities=activities) as prof:
         run(5)
+    if device.type == "cuda":
+        # The kernels' own device time against the step's wall: a step whose wall is several
+        # times its kernels is bound by its launches, whatever its compute stream's span says.
+        cuda = torch.autograd.DeviceType.CUDA
+        kernels_ms = (
+            sum(
+                event.time_range.elapsed_us()
+                for event in prof.events()
+                if event.device_type == cuda
+            )
+            / 5e3
+        )
+        print(f"kernels {kernels_ms:.2f} ms a step (the profiler's device time, 5 steps); "
+              f"wall {wall / kernels_ms:.2f}x the kernels")  # fmt: skip
     # Beside --profile-first's table, sorted alike: what the first launch spent over these.
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     if args.profile_first:
