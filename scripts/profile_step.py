@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import cProfile
 import dataclasses
 import functools
+import io
+import pstats
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -153,6 +157,11 @@ def main() -> None:
         "--profile-rows", type=int, default=25,
         help="rows of the profile's table (enough to reach the kernels that run once a step, "
         "outside the layers)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cprofile", type=int, default=0, metavar="STEPS",
+        help="run STEPS more launches under cProfile and print the Python functions with the "
+        "most host time (their own, then with what they call): where a host-bound step goes",
     )  # fmt: skip
     parser.add_argument(
         "--inductor",
@@ -367,6 +376,8 @@ def _time_step(
             f"{'fused' if args.fuse_projections else 'separate'}"
             f"{', compiled' if args.compile_decode else ''})"
         )
+    if args.cprofile:
+        _print_cprofile(lambda: run(args.cprofile), args.cprofile, args.profile_rows)
     if not profile:
         return
     with torch.profiler.profile(activities=activities) as prof:
@@ -391,6 +402,19 @@ def _time_step(
         sort = "self_cpu_time_total"
         print("the next 5 launches (totals over the 5):")
     print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows))
+
+
+def _print_cprofile(run: Callable[[], object], steps: int, rows: int) -> None:
+    """``run`` under cProfile; the functions' host time a step, by own time then by total."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).strip_dirs().sort_stats(order)
+        stats.print_stats(rows)
+        print(f"cProfile over {steps} steps, by {order} (seconds for all {steps}):")
+        table = text.getvalue()
+        print(table[table.find("ncalls") :].rstrip())  # the table, not pstats' preamble
 
 
 if __name__ == "__main__":
