@@ -173,6 +173,13 @@ class WorkerConfig:
     max_graph_batch: int | None = _opt(
         None, "largest decode batch captured in a graph; default: --max-num-seqs"
     )
+    mixed_graph_tokens: int = _opt(
+        512,
+        "with CUDA graphs and the Triton kernels, also replay mixed steps (decodes beside "
+        "prefill chunks of new prompts) of up to this many tokens from graphs, in buckets of "
+        "32-128 tokens; eagerly such a step's launches take longer than its kernels "
+        "(0: mixed steps run eagerly)",
+    )
     tensor_parallel_size: int = _opt(
         1,
         "worker ranks the model is sharded over (heads and MLP columns split, torch.distributed "
@@ -286,6 +293,7 @@ class EngineConfig:
                 "its own slot and CUDA graphs)",
             ),
             (self.worker.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1"),
+            (self.worker.mixed_graph_tokens >= 0, "--mixed-graph-tokens must be >= 0"),
             (s.debug_scheduler_delay_ms >= 0, "--debug-scheduler-delay-ms must be >= 0"),
             (s.step_timeout_s > 0, "--step-timeout-s must be > 0"),
             (s.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1"),

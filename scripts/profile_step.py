@@ -119,6 +119,11 @@ def main() -> None:
     )
     parser.add_argument("--prefill-seqs", type=int, default=1)
     parser.add_argument(
+        "--mixed-graph-tokens", type=int, default=0,
+        help="as the worker's flag: replay mixed steps of up to this many tokens from CUDA "
+        "graphs (default 0 here: eager, as --prefill-len steps were timed before)",
+    )  # fmt: skip
+    parser.add_argument(
         "--engine-block-layout",
         action="store_true",
         help="KV blocks laid out as a server's lockstep batch has them, in a worker-sized cache",
@@ -214,7 +219,8 @@ def main() -> None:
                         prefill_kernel=prefill_kernel,
                         graph_batch_sizes=batch_sizes if graphs else (),
                         compile_decode=args.compile_decode and graphs,
-                        full_sampling_graphs=args.full_graphs, blas=blas)  # fmt: skip
+                        full_sampling_graphs=args.full_graphs, blas=blas,
+                        mixed_graph_tokens=args.mixed_graph_tokens)  # fmt: skip
     grown_gib = 0.0
     if device.type == "cuda":
         grown_gib = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**30
@@ -358,8 +364,9 @@ def _time_step(
         )
     run(2)
     wall, dev = run(args.steps)
+    replayed = "a graph" if runner.graph_for(step) is not None else "eagerly"
     print(f"per step: {wall:.2f} ms wall, {dev:.2f} ms on the device's compute stream "
-          f"(sampling {preset})")  # fmt: skip
+          f"(sampling {preset}, {replayed})")  # fmt: skip
     if device.type == "cuda" and not num_prefills:
         windows = [layer.variant.sliding_window for layer in runner.attention.layers]
         sizes = decode_bytes(model.config, dtype, windows)

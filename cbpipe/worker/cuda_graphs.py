@@ -23,7 +23,14 @@ The variants are greedy and temperature-only sampling at every bucket, and the f
 (``full_bucket_sizes``: powers of two from 8, and the largest), each with and without the top
 alternatives and with and without the sort that top-k and top-p need: four full variants at
 six of the 19 buckets of ``--max-num-seqs 256``, so 62 sampling graphs instead of 38.
-Steps with prefill rows or prompt log-probabilities run eagerly.
+Steps with prompt log-probabilities run eagerly.
+
+Mixed steps (decode rows beside prefill chunks, as a server under arrivals runs them all the
+time) have graphs of their own (``MixedGraphs``), per bucket of token rows: their launches
+depend on the rows, the most sequences and the most chunks a bucket holds, never on the
+step's make-up, which the forward reads from the device slot. Eager, such a step's launches
+took twice its kernels' time (docs/PERFORMANCE.md, session 35). Larger mixed steps, steps of
+more chunks and FULL-sampled ones run eagerly.
 
 Without a CUDA stream (the CPU, in tests) nothing is captured: a "graph" is the pair of
 halves bound to their fixed sizes and called again at every replay, so the padding logic
@@ -212,6 +219,9 @@ class DecodeGraphs:
         # variant's includes the forward's).
         self.first_run_s: dict[GraphVariant, float] = {}
         self.capture_times = CaptureTimes()
+        # The memory pool of the captures, which the mixed steps' graphs share: a pair
+        # replays alone, so graphs of one pool never run at once.
+        self.pool: object | None = None
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -261,28 +271,10 @@ class DecodeGraphs:
                     bound_sample = functools.partial(sample, slot, batch, variant)
                     self._graphs[batch, variant] = _BoundPair(bound_forward, bound_sample)
             return
-        pool = torch.cuda.graph_pool_handle()
-        times = self.capture_times
-        # After the first runs, which compile and make garbage; see ``collector_paused``.
-        with collector_paused():
-            for batch in buckets:
-                forward_graph, outputs = _capture(
-                    functools.partial(forward, slot, batch), stream, pool, times
-                )
-                # The outputs are the pool's while the sampling graphs that read them are
-                # captured, then free for the next buckets' graphs: a pair replays alone.
-                with torch.cuda.stream(stream):
-                    forward_graph.replay()  # values for the samplers' uncaptured runs
-                for variant in variants[batch]:
-                    sample_graph, _ = _capture(
-                        functools.partial(sample, slot, batch, variant, outputs),
-                        stream,
-                        pool,
-                        times,
-                    )
-                    self._graphs[batch, variant] = _GraphPair(forward_graph, sample_graph)
-                del outputs
-            torch.cuda.synchronize()
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs.update(
+            _capture_pairs(forward, sample, variants, slot, stream, self.pool, self.capture_times)
+        )
 
     def _first_runs(
         self,
@@ -327,6 +319,130 @@ class DecodeGraphs:
         if index == len(sizes):
             return None
         return self._graphs[sizes[index], variant]
+
+
+# A mixed graph's size: its token rows. Mixed steps are bound by their launches up to some
+# hundreds of rows for an 8B model and a few thousand for a 1B one (docs/PERFORMANCE.md);
+# past that their kernels hide the launches, and padding would only add work.
+MIXED_BUCKET_STRIDES = ((256, 32), (512, 64), (None, 128))  # up to N rows: every M
+# Prefill chunks a mixed graph takes: each is a row of its prefill kernel's grid, and a step
+# under arrivals brings one or two.
+MAX_GRAPH_CHUNKS = 8
+
+
+def mixed_bucket_sizes(max_tokens: int) -> list[int]:
+    """Token rows to capture mixed steps at, up to ``max_tokens``: every 32 rows up to 256,
+    every 64 up to 512, every 128 from there, and ``max_tokens`` itself."""
+    sizes, size = [], 0
+    for limit, stride in MIXED_BUCKET_STRIDES:
+        while size + stride <= min(limit or max_tokens, max_tokens):
+            size += stride
+            sizes.append(size)
+    return sorted(set(sizes) | {max_tokens}) if max_tokens > 0 else []
+
+
+class MixedShape(NamedTuple):
+    """What fixes a mixed graph's launches: its token rows, and whether its decode rows'
+    keys are split (a few decodes, which leave SMs idle unsplit) or not (decodes enough to
+    cover the SMs: splits would only add merge work)."""
+
+    rows: int
+    split: bool
+
+
+class MixedGraphs:
+    """CUDA graphs of mixed steps: per bucket of token rows, two forwards (split and unsplit
+    decode keys) and one sampling graph per forward and variant (greedy, temperature), in
+    ``DecodeGraphs``' pool.
+
+    A forward covers its rows, as many sequences (up to the slots' most: its logits' and
+    samplers' rows) and ``MAX_GRAPH_CHUNKS`` prefill chunks; which rows and sequences are
+    real, which are decodes and where the chunks start come from the device slot.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[MixedShape, GraphVariant], Replayable] = {}
+        self.token_sizes: list[int] = []
+        self.capture_times = CaptureTimes()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def capture(
+        self,
+        forward: Callable[[SlotT, MixedShape], ForwardOutputs],
+        sample: Callable[[SlotT, MixedShape, GraphVariant, ForwardOutputs], None],
+        *,
+        token_sizes: Sequence[int],
+        slot: SlotT,
+        stream: torch.cuda.Stream | None,
+        pool: object | None,
+    ) -> None:
+        """Capture ``forward`` per shape (each of ``token_sizes``, split and unsplit) and
+        ``sample`` per shape and variant; on the CPU, bind them as ``DecodeGraphs`` does."""
+        self.token_sizes = sorted(token_sizes)
+        shapes = [MixedShape(rows, split) for rows in self.token_sizes for split in (False, True)]
+        variants = {shape: [GREEDY, RANDOM] for shape in shapes}
+        if stream is None:
+            for shape in shapes:
+                for variant in variants[shape]:
+                    self._graphs[shape, variant] = _BoundPair(
+                        functools.partial(forward, slot, shape),
+                        functools.partial(sample, slot, shape, variant),
+                    )
+            return
+        self._graphs.update(
+            _capture_pairs(forward, sample, variants, slot, stream, pool, self.capture_times)
+        )
+
+    def find(self, step: Step, *, split: bool) -> Replayable | None:
+        """The graph that runs mixed ``step`` (``split``: with its decode keys split), or
+        None: it runs eagerly (too many rows or chunks, FULL sampling, prompt
+        log-probabilities, or a decode-only step)."""
+        num_chunks = step.num_seqs - step.num_single_token_seqs
+        if not self._graphs or num_chunks == 0 or num_chunks > MAX_GRAPH_CHUNKS:
+            return None
+        if step.prompt_logprobs or step.sampling is SamplingMode.FULL:
+            return None
+        index = bisect.bisect_left(self.token_sizes, step.num_tokens)
+        if index == len(self.token_sizes):
+            return None
+        variant = GREEDY if step.sampling is SamplingMode.GREEDY else RANDOM
+        return self._graphs[MixedShape(self.token_sizes[index], split), variant]
+
+
+K = TypeVar("K", int, MixedShape)
+
+
+def _capture_pairs(
+    forward: Callable[[SlotT, K], ForwardOutputs],
+    sample: Callable[[SlotT, K, GraphVariant, ForwardOutputs], None],
+    variants: dict[K, list[GraphVariant]],
+    slot: SlotT,
+    stream: torch.cuda.Stream,
+    pool: object,
+    times: CaptureTimes,
+) -> dict[tuple[K, GraphVariant], Replayable]:
+    """Each size's forward graph and its variants' sampling graphs, largest size first."""
+    graphs: dict[tuple[K, GraphVariant], Replayable] = {}
+    # After the first runs, which compile and make garbage; see ``collector_paused``.
+    with collector_paused():
+        for size in sorted(variants, reverse=True):
+            forward_graph, outputs = _capture(
+                functools.partial(forward, slot, size), stream, pool, times
+            )
+            # The outputs are the pool's while the sampling graphs that read them are
+            # captured, then free for the next sizes' graphs: a pair replays alone.
+            with torch.cuda.stream(stream):
+                forward_graph.replay()  # values for the samplers' uncaptured runs
+            for variant in variants[size]:
+                sample_graph, _ = _capture(
+                    functools.partial(sample, slot, size, variant, outputs), stream, pool, times
+                )
+                graphs[size, variant] = _GraphPair(forward_graph, sample_graph)
+            del outputs
+        torch.cuda.synchronize()
+    return graphs
 
 
 def _capture(

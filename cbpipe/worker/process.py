@@ -248,6 +248,7 @@ def _load(
         saved_traces=traces,
         max_batch_tokens=max_batch_tokens,
         blas=blas,
+        mixed_graph_tokens=config.worker.mixed_graph_tokens,
     )
     phases.done("runner set-up", parts=runner.startup_seconds)
     log.info("start-up: %s", phases.finish())

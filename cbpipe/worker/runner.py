@@ -63,14 +63,19 @@ from cbpipe.worker.compiling import (
     dynamo_graphs,
 )
 from cbpipe.worker.cuda_graphs import (
+    MAX_GRAPH_CHUNKS,
     DecodeGraphs,
     ForwardOutputs,
     GraphVariant,
+    MixedGraphs,
+    MixedShape,
     Replayable,
     capture_blocker,
     compiled_bucket_sizes,
+    mixed_bucket_sizes,
     tuning_batch,
 )
+from cbpipe.worker.kernels.paged_decode import launch_grid
 from cbpipe.worker.sampler import prompt_logprobs
 from cbpipe.worker.sampling_state import SamplingState
 from cbpipe.worker.saved_traces import SavedTraces
@@ -78,6 +83,7 @@ from cbpipe.worker.step_sampling import DeviceSlot, StepSampling, device_slot, r
 
 log = logging.getLogger(__name__)
 
+_NUM_TOKENS = HEADER_FIELDS.index("num_tokens")
 _NUM_SEQS = HEADER_FIELDS.index("num_seqs")
 _WIDTH = HEADER_FIELDS.index("block_table_width")
 
@@ -210,6 +216,7 @@ class StepRunner:
         saved_traces: SavedTraces | None = None,
         max_batch_tokens: int | None = None,
         blas: BlasLibraries | None = None,
+        mixed_graph_tokens: int = 0,
     ) -> None:
         """``attention``: the model's layers as the load-time probe found them, and the binding
         through which each step's attention reaches them.
@@ -235,6 +242,9 @@ class StepRunner:
         prefills reach (default: the slots' capacity).
         ``blas``: the BLAS libraries ``use_blas_library`` set up; eager steps run their
         products on its eager one (None: on the process's setting).
+        ``mixed_graph_tokens``: with decode graphs and both Triton kernels, also capture
+        mixed steps (decodes beside prefill chunks) of up to this many token rows
+        (``MixedGraphs``); 0: they run eagerly.
         """
         started = time.perf_counter()
         self.writes_outputs = writes_outputs
@@ -291,6 +301,16 @@ class StepRunner:
             sampling_state, max_seqs, device, compiled=compile_decode, saved=saved_traces
         )
         self._row_ids = torch.arange(max_seqs, device=device)
+        limits = layout.limits
+        # Row, sequence, chunk and block-table indices of the mixed graphs' forwards.
+        self._indices = torch.arange(
+            max(limits.max_tokens, limits.max_blocks_per_seq, MAX_GRAPH_CHUNKS + 1),
+            device=device,
+        )
+        self.mixed_graphs = MixedGraphs()
+        self._mixed_graph_tokens = min(mixed_graph_tokens, self.max_batch_tokens)
+        if prefill_kernel is None:
+            self._mixed_graph_tokens = 0  # the torch path's launches follow the make-up
         self._last_slot: int | None = None
         self.graphs = DecodeGraphs()
         self._before_sampler_compiles = before_sampler_compiles
@@ -458,6 +478,30 @@ class StepRunner:
         )
         if self.compiled:
             log.info("compile phases, longest first (they nest): %s", compile_phases())
+        if self._mixed_graph_tokens:
+            self._capture_mixed_graphs()
+
+    def _capture_mixed_graphs(self) -> None:
+        started = time.perf_counter()
+        assert self.graph_slot is not None
+        with decode_compile_settings():
+            self.mixed_graphs.capture(
+                self._mixed_graph_forward,
+                self._mixed_graph_sample,
+                token_sizes=mixed_bucket_sizes(self._mixed_graph_tokens),
+                slot=self.graph_slot,
+                stream=self.compute_stream,
+                pool=self.graphs.pool,
+            )
+        elapsed = time.perf_counter() - started
+        self.startup_seconds["mixed capture"] = elapsed
+        log.info(
+            "captured %d mixed-step graphs (token rows %s, up to %d prefill chunks) in %.1f s",
+            len(self.mixed_graphs),
+            self.mixed_graphs.token_sizes,
+            MAX_GRAPH_CHUNKS,
+            elapsed,
+        )
 
     def _after_layers_compiled(self) -> None:
         """Between the layers' compile (the first body's run, at the tuning batch) and the
@@ -557,7 +601,7 @@ class StepRunner:
             raise RuntimeError(f"step {step.step} has token masks outside FULL mode")
         self._last_slot = step.slot
         facts = self._step_facts(step, slot)
-        graph = self.graphs.find(step, truncation=facts.truncation)
+        graph = self._find_graph(step, facts)
         used = self.layout.input_nbytes_used(step.num_seqs, step.block_table_width)
         k = step.slot
         with self._on(self.h2d_stream):
@@ -636,8 +680,25 @@ class StepRunner:
 
     def graph_for(self, step: Step) -> Replayable | None:
         """The graph ``launch`` would replay for ``step`` (packed in its slot), or None."""
-        slot = self.slots[step.slot]
-        return self.graphs.find(step, truncation=self._step_facts(step, slot).truncation)
+        return self._find_graph(step, self._step_facts(step, self.slots[step.slot]))
+
+    def _find_graph(self, step: Step, facts: StepFacts) -> Replayable | None:
+        if step.num_single_token_seqs == step.num_seqs:
+            return self.graphs.find(step, truncation=facts.truncation)
+        return self.mixed_graphs.find(
+            step, split=self._decode_splits(step.num_single_token_seqs) > 1
+        )
+
+    def _decode_splits(self, num_decodes: int) -> int:
+        """The key ranges each decode row's keys are split into, in a step of
+        ``num_decodes`` decode rows (``kernels.paged_decode.launch_grid``: none past the
+        SMs' count of (row, KV heads) programs, more the fewer rows)."""
+        k_cache, v_cache = self.kv_cache.keys[0], self.kv_cache.values[0]
+        return launch_grid(max(1, num_decodes), k_cache, v_cache, self.device)[1]
+
+    def _mixed_graph_seqs(self, rows: int) -> int:
+        """The sequences a mixed graph of ``rows`` token rows holds."""
+        return min(self.layout.limits.max_seqs, rows)
 
     def _step_facts(self, step: Step, slot: SlotBuffers) -> StepFacts:
         """Read what a step's launch needs from the host slot."""
@@ -831,6 +892,56 @@ class StepRunner:
         resets and bias entries ran before the replay (``_prepare_state``)."""
         logits, valid, input_ids = outputs
         self.sampling.sample_decode_rows(slot, logits, batch, variant, valid, input_ids)
+
+    @torch.inference_mode()
+    def _mixed_graph_forward(self, slot: DeviceSlot, shape: MixedShape) -> ForwardOutputs:
+        """A mixed graph's forward half: a step of decodes and prefill chunks padded to
+        ``shape.rows`` token rows, up to the logits of each sequence's last row
+        ``[seqs, vocab]``, which sequences are real (``[seqs]`` bool) and their last rows'
+        input ids. A split shape splits its decode rows' keys as a step of one decode row
+        would: the most splits, whose programs past a short context exit at once.
+
+        Everything that varies (how many rows and sequences are real, which are decodes,
+        where the chunks start, the block tables' width) comes from the slot's device copy
+        (``PagedStep.for_graph``); padding rows store no keys and read position 0, and the
+        padding sequences' logits are their first row's, sampled past the ``num_seqs`` rows
+        anyone reads.
+        """
+        inputs, limits, rows = slot.inputs, self.layout.limits, shape.rows
+        seqs = self._mixed_graph_seqs(rows)
+        num_tokens, num_seqs = inputs.header[_NUM_TOKENS], inputs.header[_NUM_SEQS]
+        real_row = self._indices[:rows] < num_tokens
+        input_ids = self._carry_over(inputs, rows, real_row)
+        positions = torch.where(real_row, inputs.positions[:rows], 0)
+        assert self.decode_kernel is not None and self.prefill_kernel is not None
+        paged = PagedStep.for_graph(
+            self.kv_cache,
+            rows=rows,
+            seqs=seqs,
+            max_chunks=MAX_GRAPH_CHUNKS,
+            max_blocks_per_seq=limits.max_blocks_per_seq,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            slot_mapping=inputs.slot_mapping[:rows],
+            query_start=inputs.query_start[: seqs + 1],
+            context_lens=inputs.context_lens[:seqs],
+            block_tables=inputs.block_tables,
+            block_table_width=inputs.header[_WIDTH : _WIDTH + 1],
+            indices=self._indices,
+            decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
+            decode_splits=self._decode_splits(1) if shape.split else 1,
+        )
+        valid = real_rows(slot, self._row_ids, seqs)
+        last_rows = torch.where(valid, inputs.query_start[1 : seqs + 1].long() - 1, 0)
+        logits = self._forward(input_ids, positions, paged, last_rows)
+        return logits, valid, input_ids[last_rows]
+
+    @torch.inference_mode()
+    def _mixed_graph_sample(
+        self, slot: DeviceSlot, shape: MixedShape, variant: GraphVariant, outputs: ForwardOutputs
+    ) -> None:
+        self._graph_sample(slot, self._mixed_graph_seqs(shape.rows), variant, outputs)
 
     def _carry_over(
         self, inputs: StepInputs[torch.Tensor], num_rows: int, valid: torch.Tensor | None

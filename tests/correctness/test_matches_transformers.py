@@ -19,7 +19,7 @@ from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
 from cbpipe.protocol.messages import Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.worker.attention import PagedStep
-from cbpipe.worker.cuda_graphs import Replayable
+from cbpipe.worker.cuda_graphs import MAX_GRAPH_CHUNKS, Replayable
 from tests.harness import InProcessEngine, reference_greedy
 
 QWEN = "random:qwen2-tiny"
@@ -257,6 +257,71 @@ def test_triton_prefill_and_decode_kernels_match_generate() -> None:
     )
     assert engine.runner.prefill_kernel is not None
     _check_against_reference(engine, EMBEDDED, prompts, params, eos=None, mode="random")
+
+
+@needs_embedded
+@pytest.mark.parametrize(
+    ("compiled", "splits"), [(False, 1), (True, 1), (False, 3)], ids=["eager", "compiled", "split"]
+)
+def test_mixed_graph_bodies_match_generate(
+    compiled: bool, splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The padded mixed-step body that CUDA graphs capture (``MixedGraphs``), on the CPU:
+    decodes beside prefill chunks, the make-up read from the slot's tensors, at its bucket's
+    fixed rows (rows and sequences past the step's are padding), through both kernels under
+    Triton's interpreter. Prompts arrive while others decode, some longer than the budget
+    (chunks that attend earlier chunks), and one step brings more chunks than a graph takes
+    (an eager step). Every replayed step, and the whole run, must match ``generate``.
+    ``splits``: the decode keys' splits of a step of fewer decodes than that (one SM here:
+    the worker never splits them on the CPU), so those steps replay the split graphs."""
+    source = resolve_model(EMBEDDED)
+    rng = random.Random(11)
+    vocab = source.config.vocab_size
+    first = _prompts(rng, vocab, count=3, longest=20)
+    # Ten prompts at once: ten chunks, more than a graph's MAX_GRAPH_CHUNKS.
+    burst = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 4))] for _ in range(10)]
+    later = _prompts(rng, vocab, count=6, longest=90)
+    params = {
+        id(p): SamplingParams(max_new_tokens=rng.randint(6, 16), ignore_eos=True)
+        for p in first + burst + later
+    }
+    engine = InProcessEngine(
+        EMBEDDED,
+        max_batch_tokens=48,
+        max_num_seqs=16,
+        attention_backend="triton",
+        prefill_backend="triton",
+        compile_decode=compiled,
+    )
+    mixed = engine.runner.mixed_graphs
+    assert mixed.token_sizes == [32, 48]
+    if splits > 1:
+        monkeypatch.setattr(engine.runner, "_decode_splits", lambda n: splits if n < splits else 1)
+    find, found = mixed.find, []
+
+    def counting_find(step: Step, *, split: bool) -> Replayable | None:
+        found.append((step.num_seqs - step.num_single_token_seqs, find(step, split=split)))
+        shapes[split] += found[-1][1] is not None
+        return found[-1][1]
+
+    shapes = Counter[bool]()
+
+    mixed.find = counting_find  # type: ignore[method-assign]
+    arrivals = {1: [(p, params[id(p)]) for p in first], 4: [(p, params[id(p)]) for p in burst]}
+    arrivals[7] = [(p, params[id(p)]) for p in later]
+    finished = engine.run(mode="random", rng=random.Random(3), arrivals=arrivals)
+    assert len(finished) == len(params)
+    for req in finished:
+        expected = reference_greedy(EMBEDDED, req.prompt_token_ids, req.params.max_new_tokens, None)
+        assert req.output_token_ids == expected, f"prompt of {len(req.prompt_token_ids)} tokens"
+    assert engine.blocks.num_free_blocks == engine.num_blocks
+    replayed = [chunks for chunks, graph in found if graph is not None]
+    assert len(replayed) >= 5, found
+    assert any(chunks > 1 for chunks in replayed), "no graph replayed several chunks"
+    assert shapes[True] > 0 if splits > 1 else shapes[True] == 0, shapes
+    assert any(chunks > MAX_GRAPH_CHUNKS for chunks, graph in found if graph is None), [
+        (chunks, graph is not None) for chunks, graph in found
+    ]
 
 
 @needs_embedded

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from cbpipe.models import resolve_model
+from cbpipe.protocol.messages import Step
 from cbpipe.protocol.sampling import SamplingParams
+from cbpipe.worker.cuda_graphs import Replayable
 from tests.harness import InProcessEngine, reference_greedy
 
 pytestmark = pytest.mark.gpu
@@ -59,6 +61,28 @@ def test_replaying_a_decode_graph_never_synchronises_the_host() -> None:
         engine.close()
 
 
+def test_replaying_a_mixed_graph_never_synchronises_the_host() -> None:
+    engine = InProcessEngine(MODEL, device=torch.device("cuda"), max_num_seqs=8)
+    try:
+        for n in (3, 17, 5):
+            engine.add(list(range(5, 5 + n)), SamplingParams(max_new_tokens=8))
+        prefill = engine.packer.pack(engine.scheduler.schedule(), 0, None)
+        engine.add(list(range(7, 47)), SamplingParams(max_new_tokens=8))
+        mixed = engine.packer.pack(engine.scheduler.schedule(), 1, 0)  # 3 decodes, a chunk
+        assert (mixed.num_single_token_seqs, mixed.num_seqs) == (3, 4)
+        assert engine.runner.graph_for(mixed) is not None
+        engine.runner.launch(prefill).wait()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = engine.runner.launch(mixed)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.wait()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     ("backend", "graphs", "prefill", "fuse", "compile_decode"),
     [
@@ -96,10 +120,23 @@ def test_many_overlapping_steps_match_generate_on_cuda(
         compile_decode=compile_decode,
     )
     assert (len(engine.runner.graphs) > 0) == graphs
+    # With graphs, the mixed steps (24 prompts over 64-token steps, beside decodes) replay
+    # the mixed graphs; counted to check that they did.
+    mixed, replayed = engine.runner.mixed_graphs, []
+    assert (len(mixed) > 0) == graphs
+    find = mixed.find
+
+    def counting_find(step: Step, *, split: bool) -> Replayable | None:
+        replayed.append(find(step, split=split) is not None)
+        return find(step, split=split)
+
+    mixed.find = counting_find  # type: ignore[method-assign]
     try:
         outputs = engine.generate(prompts, params, mode="random", rng=random.Random(1))
     finally:
         engine.close()
+    if graphs:
+        assert sum(replayed) >= 10, replayed
     for prompt, sp, output in zip(prompts, params, outputs, strict=True):
         expected = reference_greedy(EMBEDDED, prompt, sp.max_new_tokens, None, device=cuda)
         assert output == expected, f"prompt of {len(prompt)} tokens"

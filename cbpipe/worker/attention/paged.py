@@ -9,6 +9,8 @@ to its own sequence's cached keys through the block table.
   (prefill chunks), so a long chunk never pads the decode batch. Each group takes the Triton
   kernel or the torch path (``triton_rows.py``, ``torch_rows.py``), chosen when the step is
   built; nothing else in the step depends on the choice.
+  ``PagedStep.for_graph`` builds one whose launches depend only on a mixed graph's sizes,
+  its make-up read from device tensors, as CUDA graphs of mixed steps capture it.
 - ``DecodeGraphStep``: a decode-only step of fixed shapes, as CUDA graphs capture it: one
   custom op per layer, which stores the rows' keys and values and attends.
 - ``OpaqueStep``: either of them under ``torch.compile``. Dynamo sees one custom op per
@@ -243,6 +245,79 @@ class PagedStep(CacheAttention):
         kernels = decode_kernel is not None or prefill_kernel is not None
         return cls(kv_cache, slot_mapping, write_with_kernel if kernels else write_by_index,
                    tuple(groups))  # fmt: skip
+
+    @classmethod
+    def for_graph(
+        cls,
+        kv_cache: KVCache,
+        *,
+        rows: int,
+        seqs: int,
+        max_chunks: int,
+        max_blocks_per_seq: int,
+        num_tokens: torch.Tensor,
+        num_seqs: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_table_width: torch.Tensor,
+        indices: torch.Tensor,
+        decode_kernel: DecodeKernel,
+        prefill_kernel: PrefillKernel,
+        decode_splits: int,
+    ) -> PagedStep:
+        """A mixed step padded to ``rows`` token rows and ``seqs`` sequences, of which at
+        most ``max_chunks`` prefill chunks: every launch is fixed by those sizes, and the
+        make-up is read on the device, so a CUDA graph captures it once for every step that
+        fits.
+
+        ``num_tokens`` and ``num_seqs`` are the slot header's device scalars;
+        ``slot_mapping`` ``[rows]``, ``query_start`` ``[seqs + 1]`` and ``context_lens``
+        ``[seqs]`` the slot's fields, real up to those counts; ``block_tables`` flat, rows
+        ``block_table_width`` wide (a device scalar); ``indices`` an ``arange`` at least
+        ``max(rows, max_blocks_per_seq, max_chunks + 1)`` long; ``decode_splits`` the key
+        ranges of each decode row.
+
+        As in ``build``, the decode rows (sequences of one row, which the packer puts first)
+        go to the decode kernel and the rest to the prefill kernel: here the decode kernel
+        runs over every sequence with the others' context lengths 0 (nothing stored or
+        attended, their rows written with zeros before the prefill kernel writes them), and
+        the prefill kernel over ``max_chunks`` sequences from the first chunk on, those past
+        the step empty. Padding rows store at the padding slot and attend nothing.
+        """
+        seq_ids = indices[:seqs]
+        real = seq_ids < num_seqs
+        single = real & (query_start[1:] - query_start[:-1] == 1)
+        decode_lens = torch.where(single, context_lens, 0)
+        # The chunks' sequences: those after the decodes, clamped to num_seqs, where
+        # query_start holds num_tokens, so a chunk past the step is empty.
+        chunk_seqs = torch.minimum(single.sum() + indices[: max_chunks + 1], num_seqs)
+        chunk_starts = query_start[chunk_seqs]
+        chunk_ids = chunk_seqs[:-1]
+        chunk_lens = torch.where(
+            chunk_ids < num_seqs, context_lens[chunk_ids.clamp(max=seqs - 1)], 0
+        )
+        # Each chunk's block-table row, copied to a fixed width (the step's width lives on
+        # the device only); entries past the step's width are never read.
+        table_index = chunk_ids[:, None] * block_table_width + indices[None, :max_blocks_per_seq]
+        chunk_tables = block_tables[table_index.clamp(max=block_tables.numel() - 1)]
+        padded = torch.where(indices[:rows] < num_tokens, slot_mapping, kv_cache.padding_slot)
+        bs = kv_cache.block_size
+        groups = (
+            DecodeKernelRows(
+                decode_kernel, decode_lens, block_tables, block_table_width, bs, decode_splits
+            ),
+            PrefillKernelRows(
+                prefill_kernel,
+                chunk_starts.to(torch.int32),
+                chunk_lens.to(torch.int32),
+                chunk_tables,
+                rows,
+                bs,
+            ),
+        )
+        return cls(kv_cache, padded, write_with_kernel, groups)
 
 
 @dataclass

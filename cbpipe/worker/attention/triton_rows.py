@@ -42,6 +42,7 @@ class DecodeKernel(Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        num_splits: int | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
@@ -77,6 +78,7 @@ class DecodeKernelRows:
     block_tables: torch.Tensor  # flat int32; row s's block ids at [s * width, (s + 1) * width)
     block_table_width: torch.Tensor  # [1] int64 on the device: the slot header's copy
     block_size: int
+    num_splits: int | None = None  # None: the kernel's default for the rows
 
     def attend(
         self,
@@ -99,6 +101,7 @@ class DecodeKernelRows:
             sliding_window=variant.sliding_window,
             softcap=variant.softcap,
             sinks=variant.sinks,
+            num_splits=self.num_splits,
             out=out[:n],
         )
 
