@@ -40,42 +40,25 @@ def test_enqueueing_a_step_never_synchronises_the_host() -> None:
         engine.close()
 
 
-def test_replaying_a_decode_graph_never_synchronises_the_host() -> None:
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_replaying_a_graph_never_synchronises_the_host(kind: str) -> None:
+    """A decode step (it carries every token over) and a mixed one (those decodes beside a
+    new prompt's chunk), each replayed from its graph."""
     engine = InProcessEngine(MODEL, device=torch.device("cuda"), max_num_seqs=8)
     try:
         for n in (3, 17, 5):
             engine.add(list(range(5, 5 + n)), SamplingParams(max_new_tokens=8))
         prefill = engine.packer.pack(engine.scheduler.schedule(), 0, None)
-        decode = engine.packer.pack(engine.scheduler.schedule(), 1, 0)  # carries every token
-        assert decode.num_single_token_seqs == decode.num_seqs == 3
-        assert engine.runner.graphs.find(decode) is not None
+        if kind == "mixed":
+            engine.add(list(range(7, 47)), SamplingParams(max_new_tokens=8))
+        step = engine.packer.pack(engine.scheduler.schedule(), 1, 0)
+        assert (step.num_single_token_seqs, step.num_seqs) == (3, 3 if kind == "decode" else 4)
+        assert engine.runner.graph_for(step) is not None
         engine.runner.launch(prefill).wait()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            launched = engine.runner.launch(decode)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        launched.wait()
-    finally:
-        engine.close()
-
-
-def test_replaying_a_mixed_graph_never_synchronises_the_host() -> None:
-    engine = InProcessEngine(MODEL, device=torch.device("cuda"), max_num_seqs=8)
-    try:
-        for n in (3, 17, 5):
-            engine.add(list(range(5, 5 + n)), SamplingParams(max_new_tokens=8))
-        prefill = engine.packer.pack(engine.scheduler.schedule(), 0, None)
-        engine.add(list(range(7, 47)), SamplingParams(max_new_tokens=8))
-        mixed = engine.packer.pack(engine.scheduler.schedule(), 1, 0)  # 3 decodes, a chunk
-        assert (mixed.num_single_token_seqs, mixed.num_seqs) == (3, 4)
-        assert engine.runner.graph_for(mixed) is not None
-        engine.runner.launch(prefill).wait()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            launched = engine.runner.launch(mixed)
+            launched = engine.runner.launch(step)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         launched.wait()
