@@ -685,6 +685,8 @@ class StepRunner:
     def _find_graph(self, step: Step, facts: StepFacts) -> Replayable | None:
         if step.num_single_token_seqs == step.num_seqs:
             return self.graphs.find(step, truncation=facts.truncation)
+        if not len(self.mixed_graphs):
+            return None
         return self.mixed_graphs.find(
             step, split=self._decode_splits(step.num_single_token_seqs) > 1
         )
