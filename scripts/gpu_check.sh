@@ -30,8 +30,8 @@
 #            steps of STEP1B_PROFILES (the 1B x256 at context 640), compiled, profiled (~5 min)
 #   mixed    mixed steps (decodes beside prefill chunks, as a server under arrivals runs them)
 #            of random:MIXED_MODEL at context MIXED_CONTEXT, one per MIXED_MAKEUPS entry
-#            (DECODES:CHUNK:CHUNKS), eager layers and then compiled ones: wall, the kernels'
-#            device time from the profiler, and the top operators                (~3-5 min)
+#            (DECODES:CHUNK:CHUNKS), eager layers, compiled ones, and compiled from the mixed
+#            graphs: wall, the kernels' device time from the profiler, the top operators (~4-6 min)
 #   imports  what the launcher's imports cost on this host: whether Python may write bytecode
 #            and the libraries ship it; `python -X importtime` of cbpipe.launcher, its 12
 #            slowest modules (cumulative), twice, then twice with PYTHONPYCACHEPREFIX set to
@@ -110,7 +110,9 @@
 #                          FLAGS go to profile_step.py, word-split (llama-8b:32:640:--inductor
 #                          combo_kernels=True)
 #   MIXED_MODEL=llama-1b MIXED_CONTEXT=640 MIXED_MAKEUPS=253:127:3,64:512:4  the mixed part's
-#                          steps; MIXED_MODES="--no-compile-decode --compile-decode" its layers
+#                          steps; MIXED_MODES="--no-compile-decode;--compile-decode;--compile-decode
+#                          --mixed-graph-tokens=2176" its runs (";" between them): eager layers,
+#                          compiled ones, and compiled replayed from the mixed graphs
 #   GEMM_MODEL=random:llama-1b GEMM_BATCH=256  the gemm part's shapes and rows (word-split
 #                          batches: "128 256"); GEMM_TIMEOUT=300 seconds for its sweep
 #   STEP1B_ATTENTION=1     0: step1b without its attention kernel runs
@@ -314,7 +316,7 @@ fi
 if want mixed; then
     {
         IFS=, read -r -a makeups <<<"${MIXED_MAKEUPS:-253:127:3,64:512:4}"
-        read -r -a mixed_modes <<<"${MIXED_MODES:---no-compile-decode --compile-decode}"
+        IFS=';' read -r -a mixed_modes <<<"${MIXED_MODES:---no-compile-decode;--compile-decode;--compile-decode --mixed-graph-tokens=2176}"
         for makeup in "${makeups[@]}"; do
             IFS=: read -r decodes chunk chunks <<<"$makeup"
             for mode in "${mixed_modes[@]}"; do
@@ -323,6 +325,7 @@ if want mixed; then
                 # --no-compile-decode is profile_step.py's default; the flag names the run.
                 flag=$mode
                 [ "$mode" = --no-compile-decode ] && flag=
+                # shellcheck disable=SC2086  # a mode's flags are word-split on purpose
                 timeout -k 10 240 "$PY" scripts/profile_step.py --model "random:${MIXED_MODEL:-llama-1b}" \
                     --dtype bfloat16 --batch "$decodes" --context "${MIXED_CONTEXT:-640}" \
                     --prefill-len "$chunk" --prefill-seqs "$chunks" --steps 30 --profile \
