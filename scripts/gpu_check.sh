@@ -224,6 +224,19 @@ started=$SECONDS
 
 section() { printf '\n===== %s (t=%ds) =====\n' "$*" $((SECONDS - started)); }
 
+profile_log() {  # profile_log LINES ARGS...: scripts/profile_step.py ARGS, its output shown
+    local lines=$1 rc
+    shift
+    timeout -k 10 240 "$PY" scripts/profile_step.py "$@" >"$OUT/.profile.log" 2>&1
+    rc=$?
+    # The profile's table first (from its first line: inductor's autotuning prints before
+    # it); a failure's cause is at the end.
+    sed -n '/^runner ready/,$p' "$OUT/.profile.log" | grep -v '^USDT' | head -"$lines"
+    [ "$rc" = 0 ] || { echo "..."; tail -25 "$OUT/.profile.log"; }
+    rm -f "$OUT/.profile.log"
+    echo "exit code $rc"
+}
+
 environment() {
     section environment
     nvidia-smi
@@ -322,19 +335,13 @@ if want mixed; then
             for mode in "${mixed_modes[@]}"; do
                 section "mixed step, random:${MIXED_MODEL:-llama-1b}: $decodes decodes at context" \
                     "${MIXED_CONTEXT:-640} + $chunks chunks of $chunk, $mode"
-                # --no-compile-decode is profile_step.py's default; the flag names the run.
-                flag=$mode
-                [ "$mode" = --no-compile-decode ] && flag=
-                # shellcheck disable=SC2086  # a mode's flags are word-split on purpose
-                timeout -k 10 240 "$PY" scripts/profile_step.py --model "random:${MIXED_MODEL:-llama-1b}" \
-                    --dtype bfloat16 --batch "$decodes" --context "${MIXED_CONTEXT:-640}" \
-                    --prefill-len "$chunk" --prefill-seqs "$chunks" --steps 30 --profile \
-                    --profile-rows 14 $flag >"$OUT/.mixed.log" 2>&1
-                rc=$?
-                sed -n '/^runner ready/,$p' "$OUT/.mixed.log" | grep -v '^USDT' | head -40
-                [ "$rc" = 0 ] || { echo "..."; tail -25 "$OUT/.mixed.log"; }
-                rm -f "$OUT/.mixed.log"
-                echo "exit code $rc"
+                # --no-compile-decode (profile_step.py's default) only names the run; a mode's
+                # flags are word-split on purpose.
+                # shellcheck disable=SC2086
+                profile_log 40 --model "random:${MIXED_MODEL:-llama-1b}" --dtype bfloat16 \
+                    --batch "$decodes" --context "${MIXED_CONTEXT:-640}" --prefill-len "$chunk" \
+                    --prefill-seqs "$chunks" --steps 30 --profile --profile-rows 14 \
+                    ${mode#--no-compile-decode}
             done
         done
     } 2>&1 | tee "$OUT/mixed.log"
@@ -414,16 +421,8 @@ if want step1b; then
             section "one decode step, random:$model x$batch, context $context, --compile-decode" \
                 "${flags:+$flags}"
             # shellcheck disable=SC2086  # the flags are word-split on purpose
-            timeout -k 10 240 "$PY" scripts/profile_step.py --model "random:$model" \
-                --batch "$batch" --context "$context" --steps 30 --compile-decode $flags \
-                >"$OUT/.profile.log" 2>&1
-            rc=$?
-            # The profile's table first (from its first line: inductor's autotuning prints
-            # before it); a failure's cause is at the end.
-            sed -n '/^runner ready/,$p' "$OUT/.profile.log" | grep -v '^USDT' | head -60
-            [ "$rc" = 0 ] || { echo "..."; tail -25 "$OUT/.profile.log"; }
-            rm -f "$OUT/.profile.log"
-            echo "exit code $rc"
+            profile_log 60 --model "random:$model" --batch "$batch" --context "$context" \
+                --steps 30 --compile-decode $flags
         done
     } 2>&1 | tee "$OUT/step1b.log"
     rcs+=("step1b=$(grep '^exit code' "$OUT/step1b.log" | awk '{print $3}' | paste -sd/ -)")

@@ -400,11 +400,11 @@ class MixedGraphs:
         None: it runs eagerly (too many rows or chunks, FULL sampling, prompt
         log-probabilities, or a decode-only step)."""
         num_chunks = step.num_seqs - step.num_single_token_seqs
-        if not self._graphs or num_chunks == 0 or num_chunks > MAX_GRAPH_CHUNKS:
+        if num_chunks == 0 or num_chunks > MAX_GRAPH_CHUNKS:
             return None
         if step.prompt_logprobs or step.sampling is SamplingMode.FULL:
             return None
-        index = bisect.bisect_left(self.token_sizes, step.num_tokens)
+        index = bisect.bisect_left(self.token_sizes, step.num_tokens)  # none captured: 0
         if index == len(self.token_sizes):
             return None
         variant = GREEDY if step.sampling is SamplingMode.GREEDY else RANDOM
