@@ -174,11 +174,11 @@ class WorkerConfig:
         None, "largest decode batch captured in a graph; default: --max-num-seqs"
     )
     mixed_graph_tokens: int = _opt(
-        0,
+        512,
         "with CUDA graphs and the Triton kernels, also replay mixed steps (decodes beside "
         "prefill chunks of new prompts) of up to this many tokens from graphs, in buckets of "
-        "32-128 tokens; eagerly such a step's launches take longer than its kernels "
-        "(default 0, mixed steps eagerly: not yet run on a GPU; 512 is the setting to try)",
+        "32-128 tokens (eagerly such a step's launches take twice its kernels' time); 0: "
+        "mixed steps run eagerly",
     )
     tensor_parallel_size: int = _opt(
         1,

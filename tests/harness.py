@@ -124,7 +124,7 @@ class InProcessEngine:
     steps_in_flight: int = 3  # in async mode, as the engine's default
     prefix_caching: bool = True  # as the engine's default
     full_sampling_graphs: bool = True
-    # The worker's setting to try (its default is 0, until measured); needs both Triton kernels.
+    # As the worker's default; needs both Triton kernels.
     mixed_graph_tokens: int = 512
     # As the worker's --blas-library: set for this whole process, the reference's products too.
     blas_library: BlasLibrary = "auto"
