@@ -44,7 +44,7 @@ def build_app(state: ServerState, max_body_bytes: int = MAX_BODY_BYTES) -> FastA
     _add_error_handlers(app, state)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:  # async: no thread-pool hop a request
         if state.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
