@@ -215,6 +215,12 @@ def _load(
         max_graph_batch = config.worker.max_graph_batch or config.scheduler.max_num_seqs
         graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
     compile_decode = config.worker.compile_decode and bool(graph_sizes)
+    mixed_graph_tokens = config.worker.mixed_graph_tokens
+    if tp.world_size > 1 and mixed_graph_tokens and cuda:
+        # Measured on one GPU only (docs/PERFORMANCE.md, session 36): until a run on two
+        # checks them against one rank, sharded steps' mixed graphs stay off.
+        log.info("mixed-step graphs are off with tensor parallelism: mixed steps run eagerly")
+        mixed_graph_tokens = 0
     if ahead is not None:
         job = CompileJob(
             variants=ahead_variants(full_sampling=True),
@@ -248,7 +254,7 @@ def _load(
         saved_traces=traces,
         max_batch_tokens=max_batch_tokens,
         blas=blas,
-        mixed_graph_tokens=config.worker.mixed_graph_tokens,
+        mixed_graph_tokens=mixed_graph_tokens,
     )
     phases.done("runner set-up", parts=runner.startup_seconds)
     log.info("start-up: %s", phases.finish())
