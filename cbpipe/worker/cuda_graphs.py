@@ -324,7 +324,7 @@ class DecodeGraphs:
 # A mixed graph's size: its token rows. Mixed steps are bound by their launches up to some
 # hundreds of rows for an 8B model and a few thousand for a 1B one (docs/PERFORMANCE.md);
 # past that their kernels hide the launches, and padding would only add work.
-MIXED_BUCKET_STRIDES = ((256, 32), (512, 64), (None, 128))  # up to N rows: every M
+MIXED_BUCKET_STRIDES = ((256, 32), (1024, 64), (None, 128))  # up to N rows: every M
 # Prefill chunks a mixed graph takes: each is a row of its prefill kernel's grid, and a step
 # under arrivals brings one or two.
 MAX_GRAPH_CHUNKS = 8
@@ -332,7 +332,7 @@ MAX_GRAPH_CHUNKS = 8
 
 def mixed_bucket_sizes(max_tokens: int) -> list[int]:
     """Token rows to capture mixed steps at, up to ``max_tokens``: every 32 rows up to 256,
-    every 64 up to 512, every 128 from there, and ``max_tokens`` itself."""
+    every 64 up to 1024, every 128 from there, and ``max_tokens`` itself."""
     sizes, size = [], 0
     for limit, stride in MIXED_BUCKET_STRIDES:
         while size + stride <= min(limit or max_tokens, max_tokens):
