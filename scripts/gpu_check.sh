@@ -94,6 +94,8 @@
 #            goal is TP=2 at most 0.6x TP=1), and x1 (time per output token at batch 1);
 #            random:llama-70b x32 at TP=2 (its floor is bench's printed floor halved: each GPU
 #            reads half the weights). TP_RUNS=compare,llama8b,batch1,llama70b   (~10-15 min)
+#            Mixed-step graphs are off at TP>1 until `compare` has run with them (lift the
+#            gate in cbpipe/worker/process.py's _load for that run)
 # One device call runs at most 10 minutes: split the parts over calls (PARTS=tests,micro, then
 # PARTS=bench, then PARTS=target). Writes logs and JSON into $OUT; summary.log last. A call
 # returns at most eight files from the device tool's $OUT, and a bench part alone writes more
