@@ -1,4 +1,5 @@
-"""Which decode bodies exist and the order they first run in (on the CPU, nothing captured)."""
+"""Which decode and mixed-step bodies exist, the order they first run in, and which one a step
+replays (on the CPU, nothing captured)."""
 
 import dataclasses
 
@@ -6,12 +7,16 @@ from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.worker.cuda_graphs import (
     FULL_VARIANTS,
     GREEDY,
+    MAX_GRAPH_CHUNKS,
     RANDOM,
     DecodeGraphs,
     GraphVariant,
+    MixedGraphs,
+    MixedShape,
     bucket_sizes,
     compiled_bucket_sizes,
     full_bucket_sizes,
+    mixed_bucket_sizes,
     tuning_batch,
 )
 
@@ -122,3 +127,86 @@ def test_prefill_and_prompt_log_probability_steps_run_eagerly() -> None:
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=1)) is None
     assert graphs.find(_step(num_seqs=2, num_single_token_seqs=2, prompt_logprobs=True)) is None
     assert graphs.find(_step(num_seqs=5, num_single_token_seqs=5)) is None  # past the largest
+
+
+def test_mixed_buckets_are_finer_where_padding_costs_most() -> None:
+    assert mixed_bucket_sizes(0) == []
+    assert mixed_bucket_sizes(100) == [32, 64, 96, 100]
+    sizes = mixed_bucket_sizes(2176)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 2176
+    # A step pads to its bucket: at most 31 rows up to 256, 63 up to 1,024, 127 above.
+    for below, size in zip([0, *sizes], sizes, strict=False):
+        assert size - below == (32 if size <= 256 else 64 if size <= 1024 else 128), size
+
+
+class _MixedHalves:
+    """A mixed body's two halves, recording which shape and variant each replay ran."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[MixedShape, GraphVariant]] = []
+
+    def forward(self, slot: str, shape: MixedShape) -> MixedShape:
+        return shape
+
+    def sample(self, slot: str, shape: MixedShape, variant: GraphVariant, outputs: object) -> None:
+        assert outputs == shape
+        self.calls.append((shape, variant))
+
+
+def test_a_mixed_step_replays_the_smallest_bucket_it_fits_with_its_split_and_sampler() -> None:
+    halves = _MixedHalves()
+    graphs = MixedGraphs()
+    graphs.capture(
+        halves.forward,  # type: ignore[arg-type]
+        halves.sample,  # type: ignore[arg-type]
+        token_sizes=mixed_bucket_sizes(512),
+        slot="graph slot",
+        stream=None,
+        pool=None,
+    )
+    assert len(graphs) == len(mixed_bucket_sizes(512)) * 2 * 2  # split or not; two samplers
+
+    def replayed(step: Step, split: bool) -> tuple[MixedShape, GraphVariant]:
+        graph = graphs.find(step, split=split)
+        assert graph is not None
+        graph.replay()
+        return halves.calls[-1]
+
+    # 253 decodes beside a chunk of 127 rows: 380 rows, in the bucket of 384.
+    mixed = _step(num_tokens=380, num_seqs=254, num_single_token_seqs=253, max_query_len=127)
+    assert replayed(mixed, split=False) == (MixedShape(384, False), GREEDY)
+    assert replayed(mixed, split=True) == (MixedShape(384, True), GREEDY)
+    at_edge = dataclasses.replace(mixed, num_tokens=512, sampling=SamplingMode.RANDOM)
+    assert replayed(at_edge, split=False) == (MixedShape(512, False), RANDOM)
+    # A prompt's first chunk alone, no decodes beside it, is a mixed step too.
+    assert replayed(_step(num_tokens=40, num_seqs=1, num_single_token_seqs=0), False) == (
+        MixedShape(64, False),
+        GREEDY,
+    )
+
+
+def test_mixed_steps_past_the_graphs_run_eagerly() -> None:
+    graphs = MixedGraphs()
+    halves = _MixedHalves()
+    graphs.capture(
+        halves.forward,  # type: ignore[arg-type]
+        halves.sample,  # type: ignore[arg-type]
+        token_sizes=mixed_bucket_sizes(512),
+        slot="graph slot",
+        stream=None,
+        pool=None,
+    )
+    mixed = _step(num_tokens=300, num_seqs=30, num_single_token_seqs=28, max_query_len=150)
+    assert graphs.find(mixed, split=False) is not None
+    most = dataclasses.replace(mixed, num_seqs=28 + MAX_GRAPH_CHUNKS)
+    assert graphs.find(most, split=False) is not None
+    chunks = MAX_GRAPH_CHUNKS + 1
+    for eager in (
+        dataclasses.replace(mixed, num_tokens=513),  # more rows than the largest bucket
+        dataclasses.replace(mixed, num_seqs=28 + chunks),  # more chunks than a graph takes
+        dataclasses.replace(mixed, sampling=SamplingMode.FULL),
+        dataclasses.replace(mixed, prompt_logprobs=True),
+        dataclasses.replace(mixed, num_seqs=28),  # decodes only: the decode graphs' step
+    ):
+        assert graphs.find(eager, split=False) is None, eager
+    assert MixedGraphs().find(mixed, split=False) is None  # none captured
