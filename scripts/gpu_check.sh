@@ -81,7 +81,8 @@
 #            BENCH_OUTPUT_LEN tokens through HTTP (SERVING_1B_SERVERS server processes, each
 #            count its own engine) and through ZeroMQ; random:llama-8b over HTTP at Poisson
 #            arrival rates SERVING_8B_RATES, time to first token and inter-token latency
-#            p50/p90/p99 (needs the HTTP wheels: README)                         (~7 min)
+#            p50/p90/p99 (needs the HTTP wheels: README)                         (~7 min);
+#            SERVING_RUNS=arrivals: launch variants in turn under Poisson arrivals (ARRIVALS_*)
 #   prefix   prefix caching on and off: random:llama-8b, 512 requests sharing a 2000-token
 #            system prompt plus 50-150 tokens of their own, 128 new tokens (PREFIX_REQUESTS),
 #            async; random:llama-1b, 64 conversations of 8 turns (each re-sends its history
@@ -140,6 +141,13 @@
 #   SERVING_8B_PROMPTS=128        requests at each rate
 #   SERVING_8B_SERVERS=2          HTTP server processes of the 8B run
 #   SERVING_TIMEOUT=300           seconds for each serving run (start-up included)
+#   SERVING_RUNS=...,arrivals     also served under Poisson arrivals through ZeroMQ, launch
+#                          variants in turn, as session 36 compared the mixed graphs:
+#   ARRIVALS_MODELS="llama-1b:64 llama-8b:16"  MODEL:RATE (requests a second) runs
+#   ARRIVALS_LENS=256:256 ARRIVALS_PROMPTS=320 ARRIVALS_ROUNDS=2  prompt:output tokens,
+#                          requests a run, rounds of the variants
+#   ARRIVALS_VARIANTS="--mixed-graph-tokens=0;defaults"  launch flags of each variant (";"
+#                          between variants, word-split within; "defaults": none)
 #   PREFIX_RUNS=system,multiturn  the prefix part's runs
 #   PREFIX_REQUESTS=512           requests of the prefix part's shared-prompt run
 #   PREFIX_TIMEOUT=300            seconds for each of the prefix part's two runs (both caches)
@@ -677,6 +685,31 @@ if want serving; then
                 --output-len "$output_len" --backends http \
                 --api-server-count "${SERVING_8B_SERVERS:-2}" --json "$OUT/serving_8b.json"
             echo "exit code $?"
+        fi
+        if [[ ",${SERVING_RUNS:-llama1b,llama8b}," == *",arrivals,"* ]]; then
+            IFS=: read -r arrival_prompt arrival_output <<<"${ARRIVALS_LENS:-256:256}"
+            IFS=';' read -r -a variants <<<"${ARRIVALS_VARIANTS:---mixed-graph-tokens=0;defaults}"
+            for pair in ${ARRIVALS_MODELS:-llama-1b:64 llama-8b:16}; do
+                IFS=: read -r model rate <<<"$pair"
+                for round in $(seq "${ARRIVALS_ROUNDS:-2}"); do
+                    for index in "${!variants[@]}"; do
+                        variant=${variants[$index]}
+                        section "arrivals: random:$model at $rate/s through ZeroMQ," \
+                            "round $round, $variant"
+                        launch_args=()
+                        if [[ $variant != defaults ]]; then
+                            for arg in $variant; do launch_args+=("--launch-arg=$arg"); done
+                        fi
+                        timeout -k 30 "${SERVING_TIMEOUT:-300}" "$PY" scripts/bench_serving.py \
+                            --model "random:$model" --backends zmq --request-rates "$rate" \
+                            --num-prompts "${ARRIVALS_PROMPTS:-320}" \
+                            --prompt-len "$arrival_prompt" --output-len "$arrival_output" \
+                            "${launch_args[@]}" \
+                            --json "$OUT/arrivals_${model}_${round}_$index.json"
+                        echo "exit code $?"
+                    done
+                done
+            done
         fi
     } 2>&1 | tee "$OUT/serving.log"
     rcs+=("serving=$(grep '^exit code' "$OUT/serving.log" | awk '{print $3}' | paste -sd/ -)")
