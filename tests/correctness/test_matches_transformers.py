@@ -327,6 +327,46 @@ def test_mixed_graph_bodies_match_generate(
 
 
 @needs_embedded
+def test_mixed_graphs_draw_seeded_temperature_samples_as_eager_steps_do() -> None:
+    """The mixed graphs' temperature sampler (``RANDOM``) draws, for seeded requests, the
+    tokens an eager mixed step draws: turning the graphs on (the default on CUDA) must not
+    change a seeded reply. Prompts arrive while others decode, so most steps are mixed."""
+    vocab = resolve_model(EMBEDDED).config.vocab_size
+    rng = random.Random(12)
+    prompts = _prompts(rng, vocab, count=9, longest=40)
+    params = [
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    requests = list(zip(prompts, params, strict=True))
+    outputs, replays = {}, {}
+    for tokens in (0, 48):
+        engine = InProcessEngine(
+            EMBEDDED,
+            max_batch_tokens=48,
+            max_num_seqs=8,
+            attention_backend="triton",
+            prefill_backend="triton",
+            mixed_graph_tokens=tokens,
+        )
+        find, found = engine.runner.mixed_graphs.find, []
+
+        def counting_find(step: Step, *, split: bool, find=find, found=found) -> Replayable | None:
+            found.append(find(step, split=split))
+            return found[-1]
+
+        engine.runner.mixed_graphs.find = counting_find  # type: ignore[method-assign]
+        arrivals = {1: requests[:3], 3: requests[3:6], 6: requests[6:]}
+        finished = engine.run(mode="random", rng=random.Random(3), arrivals=arrivals)
+        outputs[tokens] = [req.output_token_ids for req in finished]
+        replays[tokens] = sum(graph is not None for graph in found)
+    assert replays[0] == 0 and replays[48] >= 3, replays
+    assert outputs[48] == outputs[0]
+    greedy = [reference_greedy(EMBEDDED, p, 10, None) for p in prompts[:3]]
+    assert outputs[0][:3] != greedy, "sampling at temperature 1.0 looked greedy"
+
+
+@needs_embedded
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_warm_up_touches_only_the_padding_block(backend: str) -> None:
     """The start-up warm-up (run on CUDA before serving) writes keys and values to the
