@@ -152,18 +152,23 @@ class _MixedHalves:
         assert outputs == shape
         self.calls.append((shape, variant))
 
+    def bound(self, max_tokens: int) -> MixedGraphs:
+        """Mixed graphs of these halves up to ``max_tokens`` rows, bound as on the CPU."""
+        graphs = MixedGraphs()
+        graphs.capture(
+            self.forward,  # type: ignore[arg-type]
+            self.sample,  # type: ignore[arg-type]
+            token_sizes=mixed_bucket_sizes(max_tokens),
+            slot="graph slot",
+            stream=None,
+            pool=None,
+        )
+        return graphs
+
 
 def test_a_mixed_step_replays_the_smallest_bucket_it_fits_with_its_split_and_sampler() -> None:
     halves = _MixedHalves()
-    graphs = MixedGraphs()
-    graphs.capture(
-        halves.forward,  # type: ignore[arg-type]
-        halves.sample,  # type: ignore[arg-type]
-        token_sizes=mixed_bucket_sizes(512),
-        slot="graph slot",
-        stream=None,
-        pool=None,
-    )
+    graphs = halves.bound(512)
     assert len(graphs) == len(mixed_bucket_sizes(512)) * 2 * 2  # split or not; two samplers
 
     def replayed(step: Step, split: bool) -> tuple[MixedShape, GraphVariant]:
@@ -186,16 +191,7 @@ def test_a_mixed_step_replays_the_smallest_bucket_it_fits_with_its_split_and_sam
 
 
 def test_mixed_steps_past_the_graphs_run_eagerly() -> None:
-    graphs = MixedGraphs()
-    halves = _MixedHalves()
-    graphs.capture(
-        halves.forward,  # type: ignore[arg-type]
-        halves.sample,  # type: ignore[arg-type]
-        token_sizes=mixed_bucket_sizes(512),
-        slot="graph slot",
-        stream=None,
-        pool=None,
-    )
+    graphs = _MixedHalves().bound(512)
     mixed = _step(num_tokens=300, num_seqs=30, num_single_token_seqs=28, max_query_len=150)
     assert graphs.find(mixed, split=False) is not None
     most = dataclasses.replace(mixed, num_seqs=28 + MAX_GRAPH_CHUNKS)
