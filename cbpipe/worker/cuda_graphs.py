@@ -395,18 +395,29 @@ class MixedGraphs:
             _capture_pairs(forward, sample, variants, slot, stream, pool, self.capture_times)
         )
 
+    def eager_reason(self, step: Step) -> str | None:
+        """Why ``step`` runs eagerly rather than from a mixed graph, or None if one runs it."""
+        num_chunks = step.num_seqs - step.num_single_token_seqs
+        if num_chunks == 0:
+            return "decodes only (the decode graphs' step)"
+        if not self.token_sizes:
+            return "no mixed graphs"
+        if num_chunks > MAX_GRAPH_CHUNKS:
+            return f"{num_chunks} prefill chunks, more than a graph's {MAX_GRAPH_CHUNKS}"
+        if step.prompt_logprobs:
+            return "prompt log-probabilities"
+        if step.sampling is SamplingMode.FULL:
+            return "the full sampler"
+        if step.num_tokens > self.token_sizes[-1]:
+            return f"{step.num_tokens} rows, more than the largest graph's {self.token_sizes[-1]}"
+        return None
+
     def find(self, step: Step, *, split: bool) -> Replayable | None:
         """The graph that runs mixed ``step`` (``split``: with its decode keys split), or
-        None: it runs eagerly (too many rows or chunks, FULL sampling, prompt
-        log-probabilities, or a decode-only step)."""
-        num_chunks = step.num_seqs - step.num_single_token_seqs
-        if num_chunks == 0 or num_chunks > MAX_GRAPH_CHUNKS:
+        None: it runs eagerly (``eager_reason`` says why)."""
+        if self.eager_reason(step) is not None:
             return None
-        if step.prompt_logprobs or step.sampling is SamplingMode.FULL:
-            return None
-        index = bisect.bisect_left(self.token_sizes, step.num_tokens)  # none captured: 0
-        if index == len(self.token_sizes):
-            return None
+        index = bisect.bisect_left(self.token_sizes, step.num_tokens)
         variant = GREEDY if step.sampling is SamplingMode.GREEDY else RANDOM
         return self._graphs[MixedShape(self.token_sizes[index], split), variant]
 

@@ -687,9 +687,17 @@ class StepRunner:
             return self.graphs.find(step, truncation=facts.truncation)
         if not len(self.mixed_graphs):
             return None
-        return self.mixed_graphs.find(
+        graph = self.mixed_graphs.find(
             step, split=self._decode_splits(step.num_single_token_seqs) > 1
         )
+        if graph is None and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step %d (%d rows) runs eagerly: %s",
+                step.step,
+                step.num_tokens,
+                self.mixed_graphs.eager_reason(step),
+            )
+        return graph
 
     def _decode_splits(self, num_decodes: int) -> int:
         """The key ranges each decode row's keys are split into, in a step of

@@ -196,13 +196,16 @@ def test_mixed_steps_past_the_graphs_run_eagerly() -> None:
     assert graphs.find(mixed, split=False) is not None
     most = dataclasses.replace(mixed, num_seqs=28 + MAX_GRAPH_CHUNKS)
     assert graphs.find(most, split=False) is not None
+    assert graphs.eager_reason(mixed) is None
     chunks = MAX_GRAPH_CHUNKS + 1
-    for eager in (
-        dataclasses.replace(mixed, num_tokens=513),  # more rows than the largest bucket
-        dataclasses.replace(mixed, num_seqs=28 + chunks),  # more chunks than a graph takes
-        dataclasses.replace(mixed, sampling=SamplingMode.FULL),
-        dataclasses.replace(mixed, prompt_logprobs=True),
-        dataclasses.replace(mixed, num_seqs=28),  # decodes only: the decode graphs' step
+    for eager, reason in (
+        (dataclasses.replace(mixed, num_tokens=513), "513 rows, more than the largest graph's 512"),
+        (dataclasses.replace(mixed, num_seqs=28 + chunks), f"{chunks} prefill chunks, more"),
+        (dataclasses.replace(mixed, sampling=SamplingMode.FULL), "the full sampler"),
+        (dataclasses.replace(mixed, prompt_logprobs=True), "prompt log-probabilities"),
+        (dataclasses.replace(mixed, num_seqs=28), "decodes only"),
     ):
         assert graphs.find(eager, split=False) is None, eager
-    assert MixedGraphs().find(mixed, split=False) is None  # none captured
+        assert (graphs.eager_reason(eager) or "").startswith(reason), eager
+    assert MixedGraphs().find(mixed, split=False) is None
+    assert MixedGraphs().eager_reason(mixed) == "no mixed graphs"
