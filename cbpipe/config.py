@@ -177,8 +177,8 @@ class WorkerConfig:
         512,
         "with CUDA graphs and the Triton kernels, also replay mixed steps (decodes beside "
         "prefill chunks of new prompts) of up to this many tokens from graphs, in buckets of "
-        "32-128 tokens (eagerly such a step's launches take twice its kernels' time); 0: "
-        "mixed steps run eagerly",
+        "32-128 tokens; eagerly such a step's launches take longer than its kernels "
+        "(0: mixed steps run eagerly)",
     )
     tensor_parallel_size: int = _opt(
         1,
