@@ -371,6 +371,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument(
+        "--engine-log",
+        type=Path,
+        help="write what the engine it started logged here, once it stopped "
+        "(with --launch-arg=--log-level=debug: why a step ran eagerly, and more)",
+    )
     return p.parse_args(argv)
 
 
@@ -438,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if engine is not None:
             engine.close()
+            if args.engine_log:
+                args.engine_log.parent.mkdir(parents=True, exist_ok=True)
+                args.engine_log.write_text(engine.stderr)
 
 
 if __name__ == "__main__":

@@ -705,7 +705,8 @@ if want serving; then
                             --num-prompts "${ARRIVALS_PROMPTS:-320}" \
                             --prompt-len "$arrival_prompt" --output-len "$arrival_output" \
                             "${launch_args[@]}" \
-                            --json "$OUT/arrivals_${model}_${round}_$index.json"
+                            --json "$OUT/arrivals_${model}_${round}_$index.json" \
+                            --engine-log "$OUT/arrivals_${model}_${round}_$index.engine.log"
                         echo "exit code $?"
                     done
                 done
