@@ -341,6 +341,19 @@ def mixed_bucket_sizes(max_tokens: int) -> list[int]:
     return sorted(set(sizes) | {max_tokens}) if max_tokens > 0 else []
 
 
+def split_decode_rows(seqs: int, decode_splits: Callable[[int], int]) -> int:
+    """The most decode rows, up to ``seqs``, that a step can have and still split their
+    keys (``decode_splits`` of that many is over 1; it falls as rows grow); at least 1."""
+    low, high = 1, seqs
+    while low < high:
+        middle = (low + high + 1) // 2
+        if decode_splits(middle) > 1:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 class MixedShape(NamedTuple):
     """What fixes a mixed graph's launches: its token rows, and whether its decode rows'
     keys are split (a few decodes, which leave SMs idle unsplit) or not (decodes enough to

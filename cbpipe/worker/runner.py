@@ -73,6 +73,7 @@ from cbpipe.worker.cuda_graphs import (
     capture_blocker,
     compiled_bucket_sizes,
     mixed_bucket_sizes,
+    split_decode_rows,
     tuning_batch,
 )
 from cbpipe.worker.kernels.paged_decode import launch_grid
@@ -710,6 +711,15 @@ class StepRunner:
         """The sequences a mixed graph of ``rows`` token rows holds."""
         return min(self.layout.limits.max_seqs, rows)
 
+    def _mixed_graph_decode_rows(self, shape: MixedShape) -> int:
+        """The sequences a mixed graph's decode kernel covers: all of the graph's, or in a
+        split shape only as many as a step that splits its decode keys can have (the packer
+        puts decodes first). Every row covered launches the split shape's programs, its
+        most splits each, decoding or not: over all of a graph's sequences they took
+        several times a light server's whole step."""
+        seqs = self._mixed_graph_seqs(shape.rows)
+        return split_decode_rows(seqs, self._decode_splits) if shape.split else seqs
+
     def _step_facts(self, step: Step, slot: SlotBuffers) -> StepFacts:
         """Read what a step's launch needs from the host slot."""
         host = slot.host_inputs
@@ -909,7 +919,8 @@ class StepRunner:
         ``shape.rows`` token rows, up to the logits of each sequence's last row
         ``[seqs, vocab]``, which sequences are real (``[seqs]`` bool) and their last rows'
         input ids. A split shape splits its decode rows' keys as a step of one decode row
-        would: the most splits, whose programs past a short context exit at once.
+        would (the most splits, whose programs past a short context exit at once), over only
+        as many rows as a split step's decodes can take (``_mixed_graph_decode_rows``).
 
         Everything that varies (how many rows and sequences are real, which are decodes,
         where the chunks start, the block tables' width) comes from the slot's device copy
@@ -940,6 +951,7 @@ class StepRunner:
             indices=self._indices,
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
+            decode_rows=self._mixed_graph_decode_rows(shape),
             decode_splits=self._decode_splits(1) if shape.split else 1,
         )
         valid = real_rows(slot, self._row_ids, seqs)

@@ -17,6 +17,7 @@ from cbpipe.worker.cuda_graphs import (
     compiled_bucket_sizes,
     full_bucket_sizes,
     mixed_bucket_sizes,
+    split_decode_rows,
     tuning_batch,
 )
 
@@ -209,3 +210,14 @@ def test_mixed_steps_past_the_graphs_run_eagerly() -> None:
         assert (graphs.eager_reason(eager) or "").startswith(reason), eager
     assert MixedGraphs().find(mixed, split=False) is None
     assert MixedGraphs().eager_reason(mixed) == "no mixed graphs"
+
+
+def test_a_split_mixed_graph_decodes_only_the_rows_a_split_step_can_have() -> None:
+    def splitting_below(threshold: int):  # as launch_grid: splits until the rows fill the SMs
+        return lambda rows: 64 if rows < threshold else 1
+
+    for threshold in (2, 3, 33, 200, 256):
+        assert split_decode_rows(256, splitting_below(threshold)) == threshold - 1
+    assert split_decode_rows(256, splitting_below(10_000)) == 256  # every row count splits
+    assert split_decode_rows(256, splitting_below(1)) == 1  # none does: no split step comes
+    assert split_decode_rows(1, splitting_below(33)) == 1

@@ -13,8 +13,11 @@ in place. Run them with ``pytest tests/unit/test_paged_decode_kernel.py -m gpu``
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -55,6 +58,9 @@ class Case:
     heads_per_program: int | None = None  # adjacent KV heads a program packs; None: the default
     # Each sequence's own key and value given apart, for the kernel to store (``NewRows``).
     new_rows: bool = False
+    # The memory the launch allocates (the splits' state) starts as NaN, as garbage may: a
+    # split that stores no state must not be read.
+    poisoned_scratch: bool = False
 
 
 def _edges(block_size: int) -> tuple[int, ...]:
@@ -86,6 +92,22 @@ CPU_CASES = [
     Case("mix-bs32-g1-d128-fp32", "float32", 32, (199, 5, 0, 96), 2, 1, 128, 1),
     Case("auto-splits-fp32", "float32", 16, (0, 3, 150, 64), 2, 4, 64, None),
     Case("more-splits-than-tiles", "float32", 8, (17, 1, 0, 70), 2, 4, 64, 7),
+    # Most of 16 splits past short contexts attend nothing, in memory that starts as NaN.
+    *[
+        Case(
+            f"empty-splits-poisoned{'-sinks' if sinks else ''}",
+            "float32",
+            16,
+            (1, 0, 40, 3),
+            2,
+            4,
+            64,
+            16,
+            sinks=sinks,
+            poisoned_scratch=True,
+        )
+        for sinks in (False, True)
+    ],
     Case("all-empty", "float32", 16, (0, 0, 0), 2, 4, 64, 3),
     Case("all-empty-one-split", "float32", 16, (0, 0), 2, 4, 64, 1),
     Case("head-dim-80", "float32", 16, (40, 0, 90), 2, 2, 80, 2),
@@ -398,6 +420,21 @@ def stored(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
+@contextlib.contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """``torch.empty`` and ``torch.empty_like`` return NaN-filled floating tensors."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    with (
+        mock.patch("torch.empty", lambda *a, **k: poison(empty(*a, **k))),
+        mock.patch("torch.empty_like", lambda *a, **k: poison(empty_like(*a, **k))),
+    ):
+        yield
+
+
 def check_case(case: Case, device: torch.device) -> dict[str, object]:
     """Run the kernel and the reference; returns the error and the properties tests check."""
     from cbpipe.worker.kernels.paged_decode import (
@@ -412,12 +449,13 @@ def check_case(case: Case, device: torch.device) -> dict[str, object]:
     # The reference reads caches that already hold the new rows; the kernel stores them.
     want_args = (x.query, key_cache, value_cache, x.block_tables, x.width, x.context_lens)
     variant: dict[str, Any] = dict(sliding_window=case.window, softcap=case.softcap, sinks=x.sinks)
-    got = paged_decode_attention(
-        x.query, x.key_cache, x.value_cache, x.block_tables, x.width, x.context_lens,
-        block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out,
-        heads_per_program=case.heads_per_program,
-        new_rows=NewRows(*x.new_rows) if x.new_rows else None, **variant,
-    )  # fmt: skip
+    with poisoned_allocations() if case.poisoned_scratch else contextlib.nullcontext():
+        got = paged_decode_attention(
+            x.query, x.key_cache, x.value_cache, x.block_tables, x.width, x.context_lens,
+            block_size=case.block_size, scale=scale, num_splits=case.num_splits, out=x.out,
+            heads_per_program=case.heads_per_program,
+            new_rows=NewRows(*x.new_rows) if x.new_rows else None, **variant,
+        )  # fmt: skip
     want = paged_decode_reference(*want_args, block_size=case.block_size, scale=scale, **variant)
     plain = paged_decode_reference(*want_args, block_size=case.block_size, scale=scale)
     empty = x.context_lens == 0

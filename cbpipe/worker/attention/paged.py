@@ -265,6 +265,7 @@ class PagedStep(CacheAttention):
         indices: torch.Tensor,
         decode_kernel: DecodeKernel,
         prefill_kernel: PrefillKernel,
+        decode_rows: int,
         decode_splits: int,
     ) -> PagedStep:
         """A mixed step padded to ``rows`` token rows and ``seqs`` sequences, of which at
@@ -276,20 +277,23 @@ class PagedStep(CacheAttention):
         ``slot_mapping`` ``[rows]``, ``query_start`` ``[seqs + 1]`` and ``context_lens``
         ``[seqs]`` the slot's fields, real up to those counts; ``block_tables`` flat, rows
         ``block_table_width`` wide (a device scalar); ``indices`` an ``arange`` at least
-        ``max(rows, max_blocks_per_seq, max_chunks + 1)`` long; ``decode_splits`` the key
-        ranges of each decode row.
+        ``max(rows, max_blocks_per_seq, max_chunks + 1)`` long; ``decode_rows`` (at most
+        ``seqs``) the first sequences, among which every decode of a step the graph runs,
+        and ``decode_splits`` the key ranges of each.
 
         As in ``build``, the decode rows (sequences of one row, which the packer puts first)
         go to the decode kernel and the rest to the prefill kernel: here the decode kernel
-        runs over every sequence with the others' context lengths 0 (nothing stored or
-        attended, their rows written with zeros before the prefill kernel writes them), and
-        the prefill kernel over ``max_chunks`` sequences from the first chunk on, those past
-        the step empty. Padding rows store at the padding slot and attend nothing.
+        runs over the first ``decode_rows`` sequences with the others' context lengths 0
+        (nothing stored or attended, their rows written with zeros before the prefill kernel
+        writes them), and the prefill kernel over ``max_chunks`` sequences from the first
+        chunk on, those past the step empty. Padding rows store at the padding slot and
+        attend nothing; past the decode kernel's rows their output is left unwritten (no
+        real row reads it: every product and norm is row by row).
         """
         seq_ids = indices[:seqs]
         real = seq_ids < num_seqs
         single = real & (query_start[1:] - query_start[:-1] == 1)
-        decode_lens = torch.where(single, context_lens, 0)
+        decode_lens = torch.where(single, context_lens, 0)[:decode_rows]
         # The chunks' sequences: those after the decodes, clamped to num_seqs, where
         # query_start holds num_tokens, so a chunk past the step is empty.
         chunk_seqs = torch.minimum(single.sum() + indices[: max_chunks + 1], num_seqs)

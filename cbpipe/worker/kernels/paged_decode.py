@@ -269,10 +269,12 @@ def _split_kv_kernel(
         part = (seq * num_heads + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        # A split that attended nothing (l_i 0: past a short context, most of a launch's
+        # splits) keeps its zeros: the merge reads no state of a split whose sum is 0.
         tl.store(
             part_acc_ptr + part[:, None] * BLOCK_D + head_dims,
             acc,
-            mask=row_ok[:, None] & own,
+            mask=row_ok[:, None] & own & (l_i > 0.0)[:, None],
         )
 
 
@@ -305,8 +307,9 @@ def _merge_splits_kernel(
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
     w = tl.exp2(m - m_max)
     total = tl.sum(w * sums, 0)
+    attended = split_ok & (sums > 0.0)  # the splits that stored their state
     acc = tl.load(
-        part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_ok[:, None], other=0.0
+        part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=attended[:, None], other=0.0
     )
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
