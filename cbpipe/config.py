@@ -174,7 +174,7 @@ class WorkerConfig:
         None, "largest decode batch captured in a graph; default: --max-num-seqs"
     )
     mixed_graph_tokens: int = _opt(
-        512,
+        1024,
         "with CUDA graphs and the Triton kernels, also replay mixed steps (decodes beside "
         "prefill chunks of new prompts) of up to this many tokens from graphs, in buckets of "
         "32-128 tokens; eagerly such a step's launches take longer than its kernels "

@@ -124,7 +124,7 @@ class InProcessEngine:
     steps_in_flight: int = 3  # in async mode, as the engine's default
     prefix_caching: bool = True  # as the engine's default
     full_sampling_graphs: bool = True
-    mixed_graph_tokens: int = 512  # as the worker's default; needs both Triton kernels
+    mixed_graph_tokens: int = 1024  # as the worker's default; needs both Triton kernels
     # As the worker's --blas-library: set for this whole process, the reference's products too.
     blas_library: BlasLibrary = "auto"
     before_sampler_compiles: Callable[[], None] | None = None
