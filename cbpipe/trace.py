@@ -1,5 +1,10 @@
 """Per-step timing on one clock, written as a Chrome/Perfetto trace, and read back for stats.
 
+    python -m cbpipe.trace TRACE.json [--skip-steps 40]
+
+prints each kind of step's device time (decodes only, decodes beside prefill chunks, prefill
+only) and the device's idle gaps: where a served run's latency tail comes from.
+
 Every time is ``time.perf_counter_ns()`` (CLOCK_MONOTONIC, shared by the processes of one
 host). The scheduler records its CPU phases; the worker reports the compute span of each
 step (CUDA events mapped onto that clock, or wall time on the CPU) in ``StepDone``.
@@ -7,7 +12,9 @@ step (CUDA events mapped onto that clock, or wall time on the CPU) in ``StepDone
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -161,3 +168,89 @@ def _percentile(values: Sequence[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+@dataclass(frozen=True)
+class KindStats:
+    """The device time of one kind of step: how many, their rows and decodes, percentiles."""
+
+    kind: str  # "decode", "mixed" (decodes beside prefill chunks) or "prefill"
+    count: int
+    min_rows: int
+    max_rows: int
+    min_decodes: int
+    max_decodes: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+def step_kind(record: StepRecord) -> str:
+    if record.is_decode_only:
+        return "decode"
+    return "mixed" if record.num_decodes else "prefill"
+
+
+def kind_stats(records: Sequence[StepRecord]) -> list[KindStats]:
+    """Per kind of step (in the order decode, mixed, prefill; absent kinds left out)."""
+    stats = []
+    for kind in ("decode", "mixed", "prefill"):
+        steps = [r for r in records if step_kind(r) == kind]
+        if not steps:
+            continue
+        durations = [(r.device_end_ns - r.device_start_ns) / 1e6 for r in steps]
+        stats.append(
+            KindStats(
+                kind,
+                len(steps),
+                min(r.num_tokens for r in steps),
+                max(r.num_tokens for r in steps),
+                min(r.num_decodes for r in steps),
+                max(r.num_decodes for r in steps),
+                _percentile(durations, 0.5),
+                _percentile(durations, 0.9),
+                _percentile(durations, 0.99),
+                max(durations),
+            )
+        )
+    return stats
+
+
+def summary(records: Sequence[StepRecord]) -> str:
+    lines = [
+        f"{'steps':8} {'count':>6} {'rows':>11} {'decodes':>9}   device ms p50 / p90 / p99 / max"
+    ]
+    for k in kind_stats(records):
+        lines.append(
+            f"{k.kind:8} {k.count:6d} {k.min_rows:5d}-{k.max_rows:<5d} "
+            f"{k.min_decodes:4d}-{k.max_decodes:<4d}   "
+            f"{k.p50_ms:.2f} / {k.p90_ms:.2f} / {k.p99_ms:.2f} / {k.max_ms:.2f}"
+        )
+    busy = busy_stats(records)
+    lines.append(
+        f"device busy {busy.busy_fraction:.2%} over {busy.span_s:.2f} s; idle gaps p50 "
+        f"{busy.median_gap_ms:.3f} ms, p99 {busy.p99_gap_ms:.3f} ms"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cbpipe.trace", description=__doc__)
+    parser.add_argument("traces", nargs="+", type=Path, help="traces written with --trace")
+    parser.add_argument(
+        "--skip-steps",
+        type=int,
+        default=0,
+        help="leave out steps numbered below this (a served run's warm-up, say)",
+    )
+    args = parser.parse_args(argv)
+    for path in args.traces:
+        records = [r for r in load_steps(path) if r.step >= args.skip_steps]
+        print(f"{path}: {len(records)} steps")
+        print(summary(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

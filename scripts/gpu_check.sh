@@ -148,6 +148,10 @@
 #                          requests a run, rounds of the variants
 #   ARRIVALS_VARIANTS="--mixed-graph-tokens=0;defaults"  launch flags of each variant (";"
 #                          between variants, word-split within; "defaults": none)
+#   ARRIVALS_TRACE=1       each run's step trace (arrivals_MODEL_ROUND_VARIANT.trace.json.gz)
+#                          and `python -m cbpipe.trace`'s device time per kind of step; its
+#                          engine log beside it (.engine.log; --log-level=debug says why a
+#                          mixed step ran eagerly)
 #   PREFIX_RUNS=system,multiturn  the prefix part's runs
 #   PREFIX_REQUESTS=512           requests of the prefix part's shared-prompt run
 #   PREFIX_TIMEOUT=300            seconds for each of the prefix part's two runs (both caches)
@@ -700,14 +704,22 @@ if want serving; then
                         if [[ $variant != defaults ]]; then
                             for arg in $variant; do launch_args+=("--launch-arg=$arg"); done
                         fi
+                        run_name="arrivals_${model}_${round}_$index"
+                        if [[ ${ARRIVALS_TRACE:-1} == 1 ]]; then
+                            launch_args+=("--launch-arg=--trace=$OUT/$run_name.trace.json")
+                        fi
                         timeout -k 30 "${SERVING_TIMEOUT:-300}" "$PY" scripts/bench_serving.py \
                             --model "random:$model" --backends zmq --request-rates "$rate" \
                             --num-prompts "${ARRIVALS_PROMPTS:-320}" \
                             --prompt-len "$arrival_prompt" --output-len "$arrival_output" \
                             "${launch_args[@]}" \
-                            --json "$OUT/arrivals_${model}_${round}_$index.json" \
-                            --engine-log "$OUT/arrivals_${model}_${round}_$index.engine.log"
+                            --json "$OUT/$run_name.json" --engine-log "$OUT/$run_name.engine.log"
                         echo "exit code $?"
+                        if [[ -f $OUT/$run_name.trace.json ]]; then
+                            # Past the warm-up's steps: each kind of step's device time.
+                            "$PY" -m cbpipe.trace "$OUT/$run_name.trace.json" --skip-steps 40
+                            gzip -f "$OUT/$run_name.trace.json"
+                        fi
                     done
                 done
             done

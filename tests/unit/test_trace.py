@@ -1,7 +1,15 @@
 import json
 from dataclasses import replace
 
-from cbpipe.trace import StepRecord, busy_stats, decode_phase, load_steps, write_chrome_trace
+from cbpipe.trace import (
+    StepRecord,
+    busy_stats,
+    decode_phase,
+    kind_stats,
+    load_steps,
+    main,
+    write_chrome_trace,
+)
 
 MS = 1_000_000
 
@@ -65,3 +73,28 @@ def test_decode_phase_keeps_mixed_steps_between_decodes() -> None:
     # The mixed step's device time is busy time, not a gap.
     assert busy_stats(phase).busy_fraction == 1.0
     assert decode_phase([prefill]) == []
+
+
+def test_each_kind_of_step_has_its_device_time(tmp_path, capsys) -> None:
+    decodes = [record(i, 10 * i, 10 * i + 2) for i in range(10)]  # 2 ms each
+    # Decodes beside a chunk: 3 decodes and 27 prompt rows, then 1 and 63.
+    mixed = [
+        StepRecord(10, 4, 30, 3, 400, 0, 0, 0, 0, 100 * MS, 108 * MS),
+        StepRecord(11, 2, 64, 1, 400, 0, 0, 0, 0, 110 * MS, 130 * MS),
+    ]
+    prefill = StepRecord(12, 1, 20, 0, 400, 0, 0, 0, 0, 130 * MS, 135 * MS)
+    stats = {k.kind: k for k in kind_stats([*mixed, prefill, *decodes])}
+    assert list(stats) == ["decode", "mixed", "prefill"]
+    assert stats["decode"].count == 10 and stats["decode"].p50_ms == stats["decode"].max_ms == 2
+    assert (stats["mixed"].min_rows, stats["mixed"].max_rows) == (30, 64)
+    assert (stats["mixed"].min_decodes, stats["mixed"].max_decodes) == (1, 3)
+    assert stats["mixed"].p50_ms == 20 and stats["mixed"].max_ms == 20  # the upper of two
+    assert stats["prefill"].count == 1 and stats["prefill"].p99_ms == 5
+    assert kind_stats([]) == []
+
+    path = tmp_path / "trace.json"
+    write_chrome_trace([*decodes, *mixed, prefill], path)
+    assert main([str(path), "--skip-steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "8 steps" in out  # steps 5-12
+    assert out.count("\ndecode ") == 1 and "   30-64  " in out and "20.00 / 20.00" in out
