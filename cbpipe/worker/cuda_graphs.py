@@ -131,6 +131,10 @@ FULL_VARIANTS = tuple(
     for top in (False, True)
     for truncation in (False, True)
 )
+# A mixed graph's FULL variant samples nothing: it hands its logits to the full sampler, which
+# runs eagerly after the replay (it counts every chunk row's tokens for the penalties, and
+# its sizes follow the step's sequences).
+LOGITS_HANDOFF = GraphVariant(SamplingMode.FULL)
 
 
 def capture_blocker(model: PreTrainedModel) -> str | None:
@@ -365,8 +369,8 @@ class MixedShape(NamedTuple):
 
 class MixedGraphs:
     """CUDA graphs of mixed steps: per bucket of token rows, two forwards (split and unsplit
-    decode keys) and one sampling graph per forward and variant (greedy, temperature), in
-    ``DecodeGraphs``' pool.
+    decode keys) and one sampling graph per forward and variant (greedy, temperature, and
+    ``LOGITS_HANDOFF`` for steps that sample FULL), in ``DecodeGraphs``' pool.
 
     A forward covers its rows, as many sequences (up to the slots' most: its logits' and
     samplers' rows) and ``MAX_GRAPH_CHUNKS`` prefill chunks; which rows and sequences are
@@ -395,7 +399,7 @@ class MixedGraphs:
         ``sample`` per shape and variant; on the CPU, bind them as ``DecodeGraphs`` does."""
         self.token_sizes = sorted(token_sizes)
         shapes = [MixedShape(rows, split) for rows in self.token_sizes for split in (False, True)]
-        variants = {shape: [GREEDY, RANDOM] for shape in shapes}
+        variants = {shape: [GREEDY, RANDOM, LOGITS_HANDOFF] for shape in shapes}
         if stream is None:
             for shape in shapes:
                 for variant in variants[shape]:
@@ -419,19 +423,22 @@ class MixedGraphs:
             return f"{num_chunks} prefill chunks, more than a graph's {MAX_GRAPH_CHUNKS}"
         if step.prompt_logprobs:
             return "prompt log-probabilities"
-        if step.sampling is SamplingMode.FULL:
-            return "the full sampler"
         if step.num_tokens > self.token_sizes[-1]:
             return f"{step.num_tokens} rows, more than the largest graph's {self.token_sizes[-1]}"
         return None
 
     def find(self, step: Step, *, split: bool) -> Replayable | None:
         """The graph that runs mixed ``step`` (``split``: with its decode keys split), or
-        None: it runs eagerly (``eager_reason`` says why)."""
+        None: it runs eagerly (``eager_reason`` says why). A FULL step's graph runs the
+        forward only and leaves the sampling to the caller (``LOGITS_HANDOFF``)."""
         if self.eager_reason(step) is not None:
             return None
         index = bisect.bisect_left(self.token_sizes, step.num_tokens)
-        variant = GREEDY if step.sampling is SamplingMode.GREEDY else RANDOM
+        variant = {
+            SamplingMode.GREEDY: GREEDY,
+            SamplingMode.RANDOM: RANDOM,
+            SamplingMode.FULL: LOGITS_HANDOFF,
+        }[step.sampling]
         return self._graphs[MixedShape(self.token_sizes[index], split), variant]
 
 

@@ -63,6 +63,7 @@ from cbpipe.worker.compiling import (
     dynamo_graphs,
 )
 from cbpipe.worker.cuda_graphs import (
+    LOGITS_HANDOFF,
     MAX_GRAPH_CHUNKS,
     DecodeGraphs,
     ForwardOutputs,
@@ -87,6 +88,12 @@ log = logging.getLogger(__name__)
 _NUM_TOKENS = HEADER_FIELDS.index("num_tokens")
 _NUM_SEQS = HEADER_FIELDS.index("num_seqs")
 _WIDTH = HEADER_FIELDS.index("block_table_width")
+
+
+def _graph_hands_off_logits(step: Step) -> bool:
+    """Whether the graph that runs ``step`` leaves its sampling to an eager full sampler: a
+    mixed step's that samples FULL (``LOGITS_HANDOFF``); the decode graphs sample every mode."""
+    return step.sampling is SamplingMode.FULL and step.num_single_token_seqs < step.num_seqs
 
 
 @dataclass
@@ -309,6 +316,9 @@ class StepRunner:
             device=device,
         )
         self.mixed_graphs = MixedGraphs()
+        # The logits a FULL mixed step's graph hands to the eager full sampler: outside the
+        # graphs' pool, whose memory the next replay reuses; allocated by the first capture.
+        self._mixed_logits: torch.Tensor | None = None
         self._mixed_graph_tokens = min(mixed_graph_tokens, self.max_batch_tokens)
         if prefill_kernel is None:
             self._mixed_graph_tokens = 0  # the torch path's launches follow the make-up
@@ -625,7 +635,12 @@ class StepRunner:
                 assert self.graph_slot is not None
                 self.graph_slot.device_input[:used].copy_(slot.device_input[:used])
                 graph.replay()
-                slot.device_output[:out_nbytes].copy_(self.graph_slot.device_output[:out_nbytes])
+                if _graph_hands_off_logits(step):
+                    self._sample_handed_off_logits(step, slot, facts)
+                else:
+                    slot.device_output[:out_nbytes].copy_(
+                        self.graph_slot.device_output[:out_nbytes]
+                    )
             else:
                 self._compute(step, slot, facts)
             end_ns = time.perf_counter_ns()
@@ -796,8 +811,7 @@ class StepRunner:
         full = step.sampling is SamplingMode.FULL
         seq_of_row = rows = None
         if full or step.prompt_logprobs:
-            lengths = query_start[1:] - query_start[:-1]
-            seq_of_row = torch.repeat_interleave(self._row_ids[:s], lengths, output_size=t)
+            seq_of_row = self._seq_of_row(slot, t, s)
         if full:
             assert seq_of_row is not None
             rows = self._count_step_inputs(step, slot, input_ids, seq_of_row)
@@ -806,6 +820,23 @@ class StepRunner:
             self.sampling.sample_full(slot, logits, s, rows, facts.truncation, step.top_logprobs)
         else:
             self.sampling.sample(slot, logits, s, step.sampling is SamplingMode.GREEDY)
+
+    @torch.inference_mode()
+    def _sample_handed_off_logits(self, step: Step, slot: SlotBuffers, facts: StepFacts) -> None:
+        """A FULL mixed step after its graph's forward: the full sampler, eagerly as in an
+        eager step, on the logits the graph handed over (``LOGITS_HANDOFF``)."""
+        t, s = step.num_tokens, step.num_seqs
+        assert self._mixed_logits is not None
+        input_ids = self._carry_over(slot.inputs, t, valid=None)
+        rows = self._count_step_inputs(step, slot, input_ids, self._seq_of_row(slot, t, s))
+        logits = self._mixed_logits[:s]
+        self.sampling.sample_full(slot, logits, s, rows, facts.truncation, step.top_logprobs)
+
+    def _seq_of_row(self, slot: SlotBuffers, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """Each of a step's rows' sequence ``[num_tokens]``."""
+        query_start = slot.inputs.query_start[: num_seqs + 1]
+        lengths = query_start[1:] - query_start[:-1]
+        return torch.repeat_interleave(self._row_ids[:num_seqs], lengths, output_size=num_tokens)
 
     def _count_step_inputs(
         self,
@@ -963,7 +994,16 @@ class StepRunner:
     def _mixed_graph_sample(
         self, slot: DeviceSlot, shape: MixedShape, variant: GraphVariant, outputs: ForwardOutputs
     ) -> None:
-        self._graph_sample(slot, self._mixed_graph_seqs(shape.rows), variant, outputs)
+        """A mixed graph's sampling half; for a FULL step, the logits' hand-off."""
+        seqs = self._mixed_graph_seqs(shape.rows)
+        if variant != LOGITS_HANDOFF:
+            self._graph_sample(slot, seqs, variant, outputs)
+            return
+        logits = outputs[0]
+        if self._mixed_logits is None:  # in the first, uncaptured run: outside the pool
+            most = self._mixed_graph_seqs(self._mixed_graph_tokens)
+            self._mixed_logits = logits.new_empty((most, logits.shape[1]))
+        self._mixed_logits[:seqs].copy_(logits)
 
     def _carry_over(
         self, inputs: StepInputs[torch.Tensor], num_rows: int, valid: torch.Tensor | None

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
-from cbpipe.protocol.messages import Step
+from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.worker.attention import PagedStep
 from cbpipe.worker.cuda_graphs import MAX_GRAPH_CHUNKS, Replayable
@@ -331,22 +331,48 @@ def test_mixed_graph_bodies_match_generate(
     ]
 
 
+def _full_sampling_params(index: int) -> SamplingParams:
+    """FULL-mode parameters of every kind, in turn: a chat model's generation_config (top-p
+    at temperature 0.6), top-k, greedy with presence and frequency penalties, min_p, greedy
+    with a logit bias and alternatives; most with a repetition penalty, which counts the prompt's
+    tokens (a mixed step's every chunk row) and so tells whether the step counted them."""
+    kinds = [
+        {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.5},
+        {"temperature": 1.0, "top_k": 20, "repetition_penalty": 2.0},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.4, "repetition_penalty": 2.0},
+        {"temperature": 0.8, "min_p": 0.05},
+        {"logit_bias": ((7, 2.0), (11, -3.0)), "logprobs": 3, "repetition_penalty": 2.0},
+    ]
+    return SamplingParams(
+        max_new_tokens=10, seed=index, ignore_eos=True, **kinds[index % len(kinds)]
+    )
+
+
 @needs_embedded
-def test_mixed_graphs_draw_seeded_temperature_samples_as_eager_steps_do() -> None:
-    """The mixed graphs' temperature sampler (``RANDOM``) draws, for seeded requests, the
-    tokens an eager mixed step draws: turning the graphs on (the default on CUDA) must not
-    change a seeded reply. Prompts arrive while others decode, so most steps are mixed."""
+@pytest.mark.parametrize("sampling", ["temperature", "full"])
+def test_mixed_graphs_draw_seeded_samples_as_eager_steps_do(sampling: str) -> None:
+    """The mixed graphs draw, for seeded requests, the tokens an eager mixed step draws:
+    turning the graphs on (the default on CUDA) must not change a seeded reply. With
+    temperature alone the graphs sample (``RANDOM``); with the full sampler's parameters the
+    graph runs the forward and the full sampler runs eagerly on its logits
+    (``LOGITS_HANDOFF``). Prompts arrive while others decode, so most steps are mixed."""
     vocab = resolve_model(EMBEDDED).config.vocab_size
     rng = random.Random(12)
     prompts = _prompts(rng, vocab, count=9, longest=40)
+    if sampling == "full":  # a pattern the model would go on with, unless its penalties count it
+        prompts = [(p[:5] * 8)[: max(len(p), 15)] for p in prompts]
     params = [
         SamplingParams(max_new_tokens=10, temperature=1.0, seed=i, ignore_eos=True)
+        if sampling == "temperature"
+        else _full_sampling_params(i)
         for i in range(len(prompts))
     ]
     requests = list(zip(prompts, params, strict=True))
 
+    mode = SamplingMode.RANDOM if sampling == "temperature" else SamplingMode.FULL
+
     def served(mixed_graph_tokens: int) -> tuple[list[list[int]], int]:
-        """Every request's tokens, and how many steps replayed a mixed graph."""
+        """Every request's tokens, and how many steps of ``mode`` replayed a mixed graph."""
         engine = InProcessEngine(
             EMBEDDED,
             max_batch_tokens=48,
@@ -359,19 +385,20 @@ def test_mixed_graphs_draw_seeded_temperature_samples_as_eager_steps_do() -> Non
         find, found = mixed.find, []
 
         def counting_find(step: Step, *, split: bool) -> Replayable | None:
-            found.append(find(step, split=split))
-            return found[-1]
+            graph = find(step, split=split)
+            found.append(graph is not None and step.sampling is mode)
+            return graph
 
         mixed.find = counting_find  # type: ignore[method-assign]
         arrivals = {1: requests[:3], 3: requests[3:6], 6: requests[6:]}
         finished = engine.run(mode="random", rng=random.Random(3), arrivals=arrivals)
-        return [req.output_token_ids for req in finished], sum(g is not None for g in found)
+        return [req.output_token_ids for req in finished], sum(found)
 
     (eager, eager_replays), (graphs, replays) = served(0), served(48)
     assert eager_replays == 0 and replays >= 3, (eager_replays, replays)
     assert graphs == eager
     greedy = [reference_greedy(EMBEDDED, p, 10, None) for p in prompts[:3]]
-    assert eager[:3] != greedy, "sampling at temperature 1.0 looked greedy"
+    assert eager[:3] != greedy, "sampling looked greedy"
 
 
 @needs_embedded

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cbpipe.models import resolve_model
-from cbpipe.protocol.messages import Step
+from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.worker.cuda_graphs import Replayable
 from tests.harness import InProcessEngine, reference_greedy
@@ -40,19 +40,26 @@ def test_enqueueing_a_step_never_synchronises_the_host() -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "mixed-full"])
 def test_replaying_a_graph_never_synchronises_the_host(kind: str) -> None:
     """A decode step (it carries every token over) and a mixed one (those decodes beside a
-    new prompt's chunk), each replayed from its graph."""
+    new prompt's chunk), each replayed from its graph; "mixed-full": the new prompt samples
+    with top-p and a repetition penalty, so the graph runs the forward and hands its logits
+    to the eager full sampler."""
     engine = InProcessEngine(MODEL, device=torch.device("cuda"), max_num_seqs=8)
     try:
         for n in (3, 17, 5):
             engine.add(list(range(5, 5 + n)), SamplingParams(max_new_tokens=8))
         prefill = engine.packer.pack(engine.scheduler.schedule(), 0, None)
-        if kind == "mixed":
-            engine.add(list(range(7, 47)), SamplingParams(max_new_tokens=8))
+        if kind != "decode":
+            full = SamplingParams(
+                max_new_tokens=8, temperature=0.7, top_p=0.9, repetition_penalty=1.3, seed=1
+            )
+            plain = SamplingParams(max_new_tokens=8)
+            engine.add(list(range(7, 47)), full if kind == "mixed-full" else plain)
         step = engine.packer.pack(engine.scheduler.schedule(), 1, 0)
         assert (step.num_single_token_seqs, step.num_seqs) == (3, 3 if kind == "decode" else 4)
+        assert (step.sampling is SamplingMode.FULL) == (kind == "mixed-full")
         assert engine.runner.graph_for(step) is not None
         engine.runner.launch(prefill).wait()
         torch.cuda.synchronize()

@@ -7,6 +7,7 @@ from cbpipe.protocol.messages import SamplingMode, Step
 from cbpipe.worker.cuda_graphs import (
     FULL_VARIANTS,
     GREEDY,
+    LOGITS_HANDOFF,
     MAX_GRAPH_CHUNKS,
     RANDOM,
     DecodeGraphs,
@@ -170,7 +171,8 @@ class _MixedHalves:
 def test_a_mixed_step_replays_the_smallest_bucket_it_fits_with_its_split_and_sampler() -> None:
     halves = _MixedHalves()
     graphs = halves.bound(512)
-    assert len(graphs) == len(mixed_bucket_sizes(512)) * 2 * 2  # split or not; two samplers
+    # Split or not; greedy, temperature, or the logits handed to the eager full sampler.
+    assert len(graphs) == len(mixed_bucket_sizes(512)) * 2 * 3
 
     def replayed(step: Step, split: bool) -> tuple[MixedShape, GraphVariant]:
         graph = graphs.find(step, split=split)
@@ -184,6 +186,8 @@ def test_a_mixed_step_replays_the_smallest_bucket_it_fits_with_its_split_and_sam
     assert replayed(mixed, split=True) == (MixedShape(384, True), GREEDY)
     at_edge = dataclasses.replace(mixed, num_tokens=512, sampling=SamplingMode.RANDOM)
     assert replayed(at_edge, split=False) == (MixedShape(512, False), RANDOM)
+    full = dataclasses.replace(mixed, sampling=SamplingMode.FULL)
+    assert replayed(full, split=True) == (MixedShape(384, True), LOGITS_HANDOFF)
     # A prompt's first chunk alone, no decodes beside it, is a mixed step too.
     assert replayed(_step(num_tokens=40, num_seqs=1, num_single_token_seqs=0), False) == (
         MixedShape(64, False),
@@ -202,7 +206,6 @@ def test_mixed_steps_past_the_graphs_run_eagerly() -> None:
     for eager, reason in (
         (dataclasses.replace(mixed, num_tokens=513), "513 rows, more than the largest graph's 512"),
         (dataclasses.replace(mixed, num_seqs=28 + chunks), f"{chunks} prefill chunks, more"),
-        (dataclasses.replace(mixed, sampling=SamplingMode.FULL), "the full sampler"),
         (dataclasses.replace(mixed, prompt_logprobs=True), "prompt log-probabilities"),
         (dataclasses.replace(mixed, num_seqs=28), "decodes only"),
     ):
