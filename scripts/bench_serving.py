@@ -6,7 +6,8 @@ one), then for each backend (``http``: the OpenAI completions API, streamed; ``z
 ``AsyncClient``) and each load (``--max-concurrency C`` streams at a time, or Poisson
 arrivals at ``--request-rates``, ``inf`` for all at once) it sends ``--num-prompts``
 requests of random token ids (random-weight models have no tokenizer), every one running to
-its output length (``ignore_eos``, greedy), and reports throughput, time to first token
+its output length (``ignore_eos``; greedy, or with ``--sampling``'s parameters), and reports
+throughput, time to first token
 (TTFT), time per output token after the first (TPOT) and inter-token latency (ITL: the gap
 between successive chunks that carry tokens; a chunk carries more than one token when the
 server's reader fell behind), p50/p90/p99.
@@ -149,7 +150,12 @@ async def http_request(url: str, body: dict, api_key: str | None) -> RequestReco
 
 
 def http_worker(
-    url: str, api_key: str | None, specs: list[RequestSpec], concurrency: int, start_at: float
+    url: str,
+    api_key: str | None,
+    specs: list[RequestSpec],
+    concurrency: int,
+    start_at: float,
+    sampling: dict[str, float] | None = None,
 ) -> list[RequestRecord]:
     """One client process: its share of the requests, at their arrival times."""
 
@@ -159,6 +165,7 @@ def http_worker(
             "prompt": spec.prompt,
             "max_tokens": spec.output_len,
             "temperature": 0,
+            **(sampling or {}),
             "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
@@ -172,7 +179,9 @@ def http_worker(
 # --- the ZeroMQ client -----------------------------------------------------------------------
 
 
-async def zmq_request(client: AsyncClient, spec: RequestSpec) -> RequestRecord:
+async def zmq_request(
+    client: AsyncClient, spec: RequestSpec, sampling: dict[str, float]
+) -> RequestRecord:
     record = RequestRecord(index=spec.index, ok=False, start_s=time.perf_counter())
     try:
         job = client.submit(
@@ -180,6 +189,7 @@ async def zmq_request(client: AsyncClient, spec: RequestSpec) -> RequestRecord:
             max_new_tokens=spec.output_len,
             ignore_eos=True,
             detokenize=client.has_tokenizer,
+            **sampling,  # type: ignore[typeddict-item]
         )
         last = None
         async for batch in job.delta_batches():
@@ -203,10 +213,16 @@ async def zmq_request(client: AsyncClient, spec: RequestSpec) -> RequestRecord:
 
 
 async def zmq_run(
-    address: str, specs: list[RequestSpec], concurrency: int, start_at: float
+    address: str,
+    specs: list[RequestSpec],
+    concurrency: int,
+    start_at: float,
+    sampling: dict[str, float],
 ) -> list[RequestRecord]:
     async with await AsyncClient.connect(address) as client:
-        return await _schedule(specs, concurrency, start_at, lambda s: zmq_request(client, s))
+        return await _schedule(
+            specs, concurrency, start_at, lambda s: zmq_request(client, s, sampling)
+        )
 
 
 # --- load shapes -------------------------------------------------------------------------------
@@ -247,13 +263,15 @@ def run_load(args, pool, backend, vocab_size, rate, concurrency):  # type: ignor
     specs = make_specs(args, vocab_size, rate)
     start_at = time.perf_counter() + START_DELAY_S
     if backend == "zmq":
-        records = asyncio.run(zmq_run(args.address, specs, concurrency, start_at))
+        records = asyncio.run(zmq_run(args.address, specs, concurrency, start_at, args.sampling))
     else:
         processes = max(1, min(args.client_processes, len(specs)))
         shares = [specs[i::processes] for i in range(processes)]
         per_process = max(1, -(-concurrency // processes))
         futures = [
-            pool.submit(http_worker, args.url, args.api_key, share, per_process, start_at)
+            pool.submit(
+                http_worker, args.url, args.api_key, share, per_process, start_at, args.sampling
+            )
             for share in shares
         ]
         records = [r for f in futures for r in f.result()]
@@ -331,6 +349,33 @@ def print_table(results: list[RunResult]) -> None:
             print(f"{load}: HTTP throughput {ratio:.3f}x ZeroMQ's")
 
 
+SAMPLING_OPTIONS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+
+
+def sampling_options(text: str) -> dict[str, float]:
+    """``--sampling``'s JSON object, its names checked."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object, not {text!r}")
+    unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
+    if unknown:
+        known = ", ".join(SAMPLING_OPTIONS)
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; known: {known}")
+    return options
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:llama-1b")
@@ -370,6 +415,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-processes", type=int, default=min(8, max(1, mp.cpu_count() // 2)))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--sampling",
+        type=sampling_options,
+        default={},
+        help="sampling parameters of every request, a JSON object with the names both APIs "
+        f"take ({', '.join(SAMPLING_OPTIONS)}), as a chat model's generation_config sets "
+        'them: \'{"temperature": 0.6, "top_p": 0.9}\'; default: greedy',
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument(
         "--engine-log",
@@ -414,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"model {args.model}  prompts {args.num_prompts} x {args.prompt_len} + "
             f"{args.output_len} tokens  backends {','.join(backends)}  "
-            f"client processes {args.client_processes}  api servers {args.api_server_count}",
+            f"client processes {args.client_processes}  api servers {args.api_server_count}  "
+            f"sampling {json.dumps(args.sampling) if args.sampling else 'greedy'}",
             flush=True,
         )
         results = []

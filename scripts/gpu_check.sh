@@ -148,6 +148,9 @@
 #                          requests a run, rounds of the variants
 #   ARRIVALS_VARIANTS="--mixed-graph-tokens=0;defaults"  launch flags of each variant (";"
 #                          between variants, word-split within; "defaults": none)
+#   ARRIVALS_SAMPLING='{"temperature": 0.6, "top_p": 0.9}'  every request's sampling
+#                          parameters (bench_serving.py --sampling; unset: greedy): FULL steps,
+#                          as a chat model's generation_config makes them
 #   ARRIVALS_TRACE=1       each run's step trace (arrivals_MODEL_ROUND_VARIANT.trace.json.gz)
 #                          and `python -m cbpipe.trace`'s device time per kind of step; its
 #                          engine log beside it (.engine.log; --log-level=debug says why a
@@ -705,6 +708,9 @@ if want serving; then
                             for arg in $variant; do launch_args+=("--launch-arg=$arg"); done
                         fi
                         run_name="arrivals_${model}_${round}_$index"
+                        if [[ -n ${ARRIVALS_SAMPLING:-} ]]; then
+                            launch_args+=(--sampling "$ARRIVALS_SAMPLING")
+                        fi
                         if [[ ${ARRIVALS_TRACE:-1} == 1 ]]; then
                             launch_args+=("--launch-arg=--trace=$OUT/$run_name.trace.json")
                         fi
