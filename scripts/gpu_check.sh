@@ -115,7 +115,9 @@
 #   MIXED_MODEL=llama-1b MIXED_CONTEXT=640 MIXED_MAKEUPS=253:127:3,64:512:4  the mixed part's
 #                          steps; MIXED_MODES="--no-compile-decode;--compile-decode;--compile-decode
 #                          --mixed-graph-tokens=2176" its runs (";" between them): eager layers,
-#                          compiled ones, and compiled replayed from the mixed graphs
+#                          compiled ones, and compiled replayed from the mixed graphs (a mode
+#                          replays them only with --mixed-graph-tokens: profile_step.py's 0,
+#                          not the engine's 1024, is the default there)
 #   GEMM_MODEL=random:llama-1b GEMM_BATCH=256  the gemm part's shapes and rows (word-split
 #                          batches: "128 256"); GEMM_TIMEOUT=300 seconds for its sweep
 #   STEP1B_ATTENTION=1     0: step1b without its attention kernel runs
