@@ -184,6 +184,10 @@ class KindStats:
     p90_ms: float
     p99_ms: float
     max_ms: float
+    # The worker's host time to enqueue each (0 in traces without it): a graph replay's is a
+    # fraction of a millisecond, an eager step's grows with its layers.
+    launch_p50_ms: float = 0.0
+    launch_p99_ms: float = 0.0
 
 
 def step_kind(record: StepRecord) -> str:
@@ -200,6 +204,9 @@ def kind_stats(records: Sequence[StepRecord]) -> list[KindStats]:
         if not steps:
             continue
         durations = [(r.device_end_ns - r.device_start_ns) / 1e6 for r in steps]
+        launches = [
+            (r.worker_launched_ns - r.worker_recv_ns) / 1e6 for r in steps if r.worker_recv_ns
+        ]
         stats.append(
             KindStats(
                 kind,
@@ -212,6 +219,8 @@ def kind_stats(records: Sequence[StepRecord]) -> list[KindStats]:
                 _percentile(durations, 0.9),
                 _percentile(durations, 0.99),
                 max(durations),
+                _percentile(launches, 0.5),
+                _percentile(launches, 0.99),
             )
         )
     return stats
@@ -220,12 +229,14 @@ def kind_stats(records: Sequence[StepRecord]) -> list[KindStats]:
 def summary(records: Sequence[StepRecord]) -> str:
     lines = [
         f"{'steps':8} {'count':>6} {'rows':>11} {'decodes':>9}   device ms p50 / p90 / p99 / max"
+        "   launch ms p50 / p99"
     ]
     for k in kind_stats(records):
         lines.append(
             f"{k.kind:8} {k.count:6d} {k.min_rows:5d}-{k.max_rows:<5d} "
             f"{k.min_decodes:4d}-{k.max_decodes:<4d}   "
             f"{k.p50_ms:.2f} / {k.p90_ms:.2f} / {k.p99_ms:.2f} / {k.max_ms:.2f}"
+            f"   {k.launch_p50_ms:.2f} / {k.launch_p99_ms:.2f}"
         )
     busy = busy_stats(records)
     lines.append(

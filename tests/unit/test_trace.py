@@ -90,7 +90,16 @@ def test_each_kind_of_step_has_its_device_time(tmp_path, capsys) -> None:
     assert (stats["mixed"].min_decodes, stats["mixed"].max_decodes) == (1, 3)
     assert stats["mixed"].p50_ms == 20 and stats["mixed"].max_ms == 20  # the upper of two
     assert stats["prefill"].count == 1 and stats["prefill"].p99_ms == 5
+    assert stats["decode"].launch_p50_ms == 0  # no worker times in these records
     assert kind_stats([]) == []
+    # The worker's launch: 0.4 ms from a graph, 20 ms eagerly.
+    launched = [
+        replace(mixed[0], worker_recv_ns=100 * MS, worker_launched_ns=100 * MS + 4 * MS // 10),
+        replace(mixed[1], worker_recv_ns=110 * MS, worker_launched_ns=130 * MS),
+    ]
+    mixed_stats = kind_stats(launched)[0]
+    assert (mixed_stats.launch_p50_ms, mixed_stats.launch_p99_ms) == (20, 20)
+    assert kind_stats(launched[:1])[0].launch_p50_ms == 0.4
 
     path = tmp_path / "trace.json"
     write_chrome_trace([*decodes, *mixed, prefill], path)
