@@ -20,6 +20,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from cbpipe.models import resolve_model
 from cbpipe.models.support import reference_attention
+from cbpipe.protocol.messages import Step
 from cbpipe.protocol.sampling import SamplingParams
 from cbpipe.protocol.slots import SlotLayout, SlotLimits
 from cbpipe.scheduler.block_manager import BlockManager
@@ -29,7 +30,7 @@ from cbpipe.scheduler.request import Request
 from cbpipe.scheduler.structured import Grammars
 from cbpipe.worker import attention
 from cbpipe.worker.blas import BlasLibrary, use_blas_library
-from cbpipe.worker.cuda_graphs import bucket_sizes
+from cbpipe.worker.cuda_graphs import Replayable, bucket_sizes
 from cbpipe.worker.model_loader import allocate_kv_cache, load_model, load_paged_model
 from cbpipe.worker.runner import LaunchedStep, StepRunner
 from cbpipe.worker.saved_traces import SavedTraces
@@ -105,6 +106,19 @@ def _prefill_kernel(backend: str, device: torch.device) -> attention.PrefillKern
     return attention.load_prefill_kernel(backend, device)
 
 
+@dataclass(frozen=True)
+class MixedGraphLookup:
+    """One lookup of the runner's mixed graphs: the step, its split, the graph (None: eager)."""
+
+    step: Step
+    split: bool
+    graph: Replayable | None
+
+    @property
+    def num_chunks(self) -> int:
+        return self.step.num_seqs - self.step.num_single_token_seqs
+
+
 @dataclass
 class InProcessEngine:
     model_name: str
@@ -175,6 +189,18 @@ class InProcessEngine:
             blas=blas,
             mixed_graph_tokens=self.mixed_graph_tokens,
         )
+
+    def record_mixed_graph_lookups(self) -> list[MixedGraphLookup]:
+        """From now on, every lookup of the mixed graphs, in order, into the list returned."""
+        mixed = self.runner.mixed_graphs
+        find, lookups = mixed.find, []
+
+        def recording_find(step: Step, *, split: bool) -> Replayable | None:
+            lookups.append(MixedGraphLookup(step, split, find(step, split=split)))
+            return lookups[-1].graph
+
+        mixed.find = recording_find  # type: ignore[method-assign]
+        return lookups
 
     def close(self) -> None:
         self.runner.close()

@@ -135,6 +135,11 @@ FULL_VARIANTS = tuple(
 # runs eagerly after the replay (it counts every chunk row's tokens for the penalties, and
 # its sizes follow the step's sequences).
 LOGITS_HANDOFF = GraphVariant(SamplingMode.FULL)
+MIXED_VARIANTS = {
+    SamplingMode.GREEDY: GREEDY,
+    SamplingMode.RANDOM: RANDOM,
+    SamplingMode.FULL: LOGITS_HANDOFF,
+}  # a mixed step's sampling mode -> its graph's variant
 
 
 def capture_blocker(model: PreTrainedModel) -> str | None:
@@ -399,7 +404,7 @@ class MixedGraphs:
         ``sample`` per shape and variant; on the CPU, bind them as ``DecodeGraphs`` does."""
         self.token_sizes = sorted(token_sizes)
         shapes = [MixedShape(rows, split) for rows in self.token_sizes for split in (False, True)]
-        variants = {shape: [GREEDY, RANDOM, LOGITS_HANDOFF] for shape in shapes}
+        variants = {shape: list(MIXED_VARIANTS.values()) for shape in shapes}
         if stream is None:
             for shape in shapes:
                 for variant in variants[shape]:
@@ -434,12 +439,8 @@ class MixedGraphs:
         if self.eager_reason(step) is not None:
             return None
         index = bisect.bisect_left(self.token_sizes, step.num_tokens)
-        variant = {
-            SamplingMode.GREEDY: GREEDY,
-            SamplingMode.RANDOM: RANDOM,
-            SamplingMode.FULL: LOGITS_HANDOFF,
-        }[step.sampling]
-        return self._graphs[MixedShape(self.token_sizes[index], split), variant]
+        shape = MixedShape(self.token_sizes[index], split)
+        return self._graphs[shape, MIXED_VARIANTS[step.sampling]]
 
 
 K = TypeVar("K", int, MixedShape)

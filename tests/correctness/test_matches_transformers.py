@@ -299,19 +299,7 @@ def test_mixed_graph_bodies_match_generate(
     assert mixed.token_sizes == [32, 48]
     if splits > 1:
         monkeypatch.setattr(engine.runner, "_decode_splits", lambda n: splits if n < splits else 1)
-    find, found = mixed.find, []
-
-    def counting_find(step: Step, *, split: bool) -> Replayable | None:
-        found.append((step.num_seqs - step.num_single_token_seqs, find(step, split=split)))
-        shapes[split] += found[-1][1] is not None
-        if split and found[-1][1] is not None:
-            split_decodes.add(step.num_single_token_seqs)
-        return found[-1][1]
-
-    shapes = Counter[bool]()
-    split_decodes: set[int] = set()
-
-    mixed.find = counting_find  # type: ignore[method-assign]
+    lookups = engine.record_mixed_graph_lookups()
     arrivals = {1: [(p, params[id(p)]) for p in first], 4: [(p, params[id(p)]) for p in burst]}
     arrivals[7] = [(p, params[id(p)]) for p in later]
     finished = engine.run(mode="random", rng=random.Random(3), arrivals=arrivals)
@@ -320,6 +308,13 @@ def test_mixed_graph_bodies_match_generate(
         expected = reference_greedy(EMBEDDED, req.prompt_token_ids, req.params.max_new_tokens, None)
         assert req.output_token_ids == expected, f"prompt of {len(req.prompt_token_ids)} tokens"
     assert engine.blocks.num_free_blocks == engine.num_blocks
+    found = [(lookup.num_chunks, lookup.graph) for lookup in lookups]
+    shapes = Counter(lookup.split for lookup in lookups if lookup.graph is not None)
+    split_decodes = {
+        lookup.step.num_single_token_seqs
+        for lookup in lookups
+        if lookup.split and lookup.graph is not None
+    }
     replayed = [chunks for chunks, graph in found if graph is not None]
     assert len(replayed) >= 5, found
     assert any(chunks > 1 for chunks in replayed), "no graph replayed several chunks"
@@ -381,18 +376,11 @@ def test_mixed_graphs_draw_seeded_samples_as_eager_steps_do(sampling: str) -> No
             prefill_backend="triton",
             mixed_graph_tokens=mixed_graph_tokens,
         )
-        mixed = engine.runner.mixed_graphs
-        find, found = mixed.find, []
-
-        def counting_find(step: Step, *, split: bool) -> Replayable | None:
-            graph = find(step, split=split)
-            found.append(graph is not None and step.sampling is mode)
-            return graph
-
-        mixed.find = counting_find  # type: ignore[method-assign]
+        lookups = engine.record_mixed_graph_lookups()
         arrivals = {1: requests[:3], 3: requests[3:6], 6: requests[6:]}
         finished = engine.run(mode="random", rng=random.Random(3), arrivals=arrivals)
-        return [req.output_token_ids for req in finished], sum(found)
+        replays = sum(x.graph is not None and x.step.sampling is mode for x in lookups)
+        return [req.output_token_ids for req in finished], replays
 
     (eager, eager_replays), (graphs, replays) = served(0), served(48)
     assert eager_replays == 0 and replays >= 3, (eager_replays, replays)
