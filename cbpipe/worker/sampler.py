@@ -263,22 +263,48 @@ def _logsumexp(
 
 
 # Opaque to the compiled sampler (one op inductor calls as it is; inside a CUDA graph
-# capture its ops are recorded like any others): inductor (torch 2.11) fails to generate
+# capture its kernels are recorded like any others): inductor (torch 2.11) fails to generate
 # the split scan it picks for the running mass over a 128 k vocabulary with dynamic shapes
-# ("list indices must be integers or slices, not NoneType"), and the sort, which inductor
-# leaves to aten anyway, is most of this function's time. An op rather than a graph break,
-# so that the sampler is still one graph, which a saved trace needs (``saved_traces.py``).
+# ("list indices must be integers or slices, not NoneType"), and on CUDA the op is a Triton
+# kernel of its own. An op rather than a graph break, so that the sampler is still one graph,
+# which a saved trace needs (``saved_traces.py``).
 @torch.library.custom_op("cbpipe::top_k_top_p", mutates_args=())
 def _apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Mask (to ``-inf``) what top-k and then top-p drop, by sorting each row.
+    """Mask (to ``-inf``) what top-k and then top-p drop.
+
+    On CUDA a kernel that finds each row's cut by bisection instead of sorting the row
+    (``kernels/truncation.py``: a sort of 128 k logits a row was most of a sampled step's
+    cost); elsewhere ``top_k_top_p_reference``, which it equals but for rows whose running
+    mass lands within float32 rounding of ``top_p``.
+    """
+    if logits.is_cuda:
+        from cbpipe.worker.kernels.truncation import top_k_top_p_triton
+
+        return top_k_top_p_triton(logits, top_k, top_p)
+    return top_k_top_p_reference(logits, top_k, top_p)
+
+
+@_apply_top_k_top_p.register_fake
+def _top_k_top_p_shape(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    return torch.empty_like(logits)
+
+
+def top_k_top_p_reference(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k and then top-p by sorting each row: the tokens by logit descending, ties by
+    index (a stable sort); the first ``top_k`` stay (0 keeps all), then each whose mass before
+    it, in the top-k set's softmax, is below ``top_p``.
 
     A row with ``top_k`` 0 (or at least the vocabulary) and ``top_p`` 1 keeps every value
     exactly: rounding in the running mass never drops its tail.
     """
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k.long(), vocab)[:, None]
     sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
@@ -288,13 +314,6 @@ def _apply_top_k_top_p(
     drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
-@_apply_top_k_top_p.register_fake
-def _top_k_top_p_shape(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    return torch.empty_like(logits)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,332 @@
+"""Top-k and top-p in Triton without sorting the vocabulary: each row's cut by bisection.
+
+``top_k_top_p_triton(logits, top_k, top_p)`` returns float32 ``[rows, vocab]`` logits with
+every token that top-k and then top-p drop set to ``-inf``, as the sort in
+``cbpipe.worker.sampler.top_k_top_p_reference`` does: the tokens in order of logit
+descending, ties by index ascending (a stable sort); top-k keeps the first ``top_k`` of them
+(0 keeps all), and top-p keeps, of those, each token whose probability mass before it
+(softmax over the top-k set) is below ``top_p`` (1 keeps all). The first token always stays.
+
+Why not sort: sorting each row of 128256 float32 logits with int64 indices, scattering it
+back and a few passes over the sorted copy are most of a sampled decode step's cost at small
+batches (docs/PERFORMANCE.md); the cut needs only one element of that order, its *boundary*.
+
+Design, one program a row:
+
+* Keys: each logit's float32 bits as an int32 that orders like the float (``_key``), so a
+  boundary is a key ``T`` and ``ties``, how many tokens of key ``T`` stay (the first by
+  index). Every token of a larger key stays, every token of a smaller one goes.
+* A first pass takes the row's maximum, its smallest finite logit, how many are finite and
+  ``Z``, the sum of ``exp(x - max)`` (online, as ``greedy_sample.py``'s kernel does).
+* The search for a boundary keeps two keys: ``lo``, whose suffix (the tokens of key ``>= lo``)
+  reaches the target count and mass, and ``hi``, whose suffix does not. Each step is a pass
+  over the row that counts and sums the suffix of a pivot between them: the midpoint of their
+  values while the values span at most ``_VALUE_SPAN`` (logits near each other converge in
+  few steps) and for at most ``_VALUE_STEPS`` steps, otherwise of their keys (at most 32
+  steps from any bounds).
+* The search stops when at most ``CAP`` tokens lie between the bounds: one more pass gathers
+  them into scratch as ``(key, -index)`` packed in an int64, ``tl.sort`` puts them in order in
+  registers, and a running sum from ``hi``'s suffix finds the boundary. Or it stops when the
+  bounds are adjacent keys, so every token between them ties, and the boundary's ``ties``
+  follow by arithmetic (a row of bf16 logits has ties by the thousand).
+* Top-k searches by count (no exponentials), then one pass sums the top-k set's mass
+  ``Z_k``; top-p searches the top-k set's tokens by mass for ``top_p * Z_k``.
+* A last pass writes each logit or ``-inf``, numbering the boundary's ties by index on the
+  way.
+
+A row's passes: the first, the search's (a handful for a peaked distribution, more for a flat
+one), one gather, one with top-k, and the write. Nothing about a launch depends on device
+values, so a call never synchronises and can be captured in a CUDA graph. Masses are float32
+sums in the kernel's own order, so a row whose running mass lands within rounding of
+``top_p * Z_k`` may keep one token more or fewer than the sort's cumulative sum would.
+``-inf`` logits never stay past the cut and are never counted; NaN and ``+inf`` logits give
+unspecified results. A row whose ``top_p`` is not positive keeps every token (the protocol
+refuses such a value; graph padding rows carry 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch settings (module attributes, for a benchmark to override): a pass reads BLOCK
+# logits a step, 8 a thread at 8 warps; CAP tokens are sorted in registers at the end of a
+# search.
+_BLOCK = 2048
+_CAP = 2048
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _key(x):
+    """float32 -> int32 of the same order (``-0.0`` just below ``0.0``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _value(key):
+    """The inverse of ``_key``."""
+    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight(x, row_max):
+    """``exp(x - row_max)``: a token's probability times the row's ``Z``."""
+    return tl.exp2((x - row_max) * 1.4426950408889634)
+
+
+@triton.jit
+def _suffix(row_ptr, vocab, pivot, row_max, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """How many tokens have a key of at least ``pivot``, and (with ``MASS``) their mass."""
+    lanes = tl.arange(0, BLOCK)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    mass = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + lanes
+        # Past the row: -inf, whose key is below any pivot (pivots lie above a finite logit).
+        x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
+        hit = _key(x) >= pivot
+        count += hit.to(tl.int32)
+        if MASS:
+            mass += tl.where(hit, _weight(x, row_max), 0.0)
+    return tl.sum(count, 0), tl.sum(mass, 0)
+
+
+@triton.jit
+def _search(
+    row_ptr,
+    scratch_ptr,
+    vocab,
+    row_max,
+    lo,
+    hi,
+    count_lo,
+    count_hi,
+    mass_hi,
+    want_count,
+    want_mass,
+    MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    VALUE_SPAN: tl.constexpr,
+    VALUE_STEPS: tl.constexpr,
+):
+    """The boundary ``(key, ties)`` of the shortest prefix of the order whose count reaches
+    ``want_count`` and whose mass reaches ``want_mass``.
+
+    ``lo``'s suffix reaches both and ``hi``'s does not (``hi > lo``); ``count_lo``,
+    ``count_hi`` and ``mass_hi`` are their suffixes' counts and ``hi``'s mass.
+    """
+    # Loop-carried values as tensors from the start (callers may pass Python constants).
+    count_hi = count_hi + tl.zeros([], dtype=tl.int32)
+    mass_hi = mass_hi + tl.zeros([], dtype=tl.float32)
+    step = tl.zeros([], dtype=tl.int32)
+    while (count_lo - count_hi > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1):
+        lo_x = _value(lo)
+        hi_x = _value(hi)
+        by_value = _key(lo_x + (hi_x - lo_x) * 0.5)
+        by_key = ((lo.to(tl.int64) + hi.to(tl.int64)) >> 1).to(tl.int32)
+        use_value = (step < VALUE_STEPS) & (hi_x - lo_x <= VALUE_SPAN)
+        use_value = use_value & (by_value > lo) & (by_value < hi)
+        pivot = tl.where(use_value, by_value, by_key)
+        count, mass = _suffix(row_ptr, vocab, pivot, row_max, MASS, BLOCK)
+        reached = (count >= want_count) & (mass >= want_mass)
+        lo = tl.where(reached, pivot, lo)
+        count_lo = tl.where(reached, count, count_lo)
+        hi = tl.where(reached, hi, pivot)
+        count_hi = tl.where(reached, count_hi, count)
+        mass_hi = tl.where(reached, mass_hi, mass)
+        step += 1
+
+    between = count_lo - count_hi
+    if between <= CAP:
+        # Gather the tokens between the bounds, in index order, then sort them into the
+        # order: key descending, index ascending (the low word holds 2**31 - 1 - index).
+        lanes = tl.arange(0, BLOCK)
+        taken = tl.zeros([], dtype=tl.int32)
+        for start in range(0, vocab, BLOCK):
+            idx = start + lanes
+            x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
+            key = _key(x)
+            inside = (key >= lo) & (key < hi) & (idx < vocab)
+            slot = taken + tl.cumsum(inside.to(tl.int32), 0) - 1
+            packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+            tl.store(scratch_ptr + slot, packed, mask=inside)
+            taken += tl.sum(inside.to(tl.int32), 0)
+        pos = tl.arange(0, CAP)
+        valid = pos < between
+        # Padding sorts last: the lowest key, which no logit has (it is a NaN's).
+        pad = -2147483648 << 32
+        packed = tl.load(scratch_ptr + pos, mask=valid, other=pad)
+        packed = tl.sort(packed, 0, descending=True)
+        key = (packed >> 32).to(tl.int32)
+        weight = tl.where(valid, _weight(_value(key), row_max), 0.0)
+        cum_count = count_hi + pos + 1
+        cum_mass = mass_hi + tl.cumsum(weight, 0)
+        reached = valid & (cum_count >= want_count) & (cum_mass >= want_mass)
+        # None reached only by rounding (lo's suffix was summed in another order): the last.
+        end = tl.min(tl.where(reached, pos, between - 1), 0)
+        boundary = tl.max(tl.where(pos == end, key, -2147483648), 0)
+        first = tl.min(tl.where(valid & (key == boundary), pos, CAP), 0)
+        ties = end - first + 1
+    else:
+        # Adjacent bounds: every token between them has key lo, each of the same mass.
+        boundary = lo
+        tie_mass = _weight(_value(lo), row_max)
+        need = tl.ceil((want_mass - mass_hi) / tie_mass)  # +inf if the ties weigh nothing
+        need = tl.minimum(need, between.to(tl.float32)).to(tl.int32)
+        ties = tl.maximum(tl.maximum(want_count - count_hi, need), 1)
+        ties = tl.minimum(ties, between)
+    return boundary, ties
+
+
+@triton.jit
+def _top_k_top_p_kernel(
+    logits_ptr,
+    out_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    scratch_ptr,
+    stride_in,
+    stride_out,
+    vocab,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    VALUE_SPAN: tl.constexpr,
+    VALUE_STEPS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_in
+    out_row = out_ptr + row.to(tl.int64) * stride_out
+    scratch = scratch_ptr + row.to(tl.int64) * CAP
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    lanes = tl.arange(0, BLOCK)
+    lowest = -3.4028234663852886e38  # float32's lowest finite value
+
+    # The row's maximum and Z (per lane, the running sum rescaled as the maximum grows), its
+    # smallest finite logit and how many are finite.
+    lane_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    lane_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    lane_finite = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + lanes
+        x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
+        d = x - tl.maximum(lane_max, lowest)
+        e = tl.exp2(-tl.abs(d) * 1.4426950408889634)
+        lane_sum = tl.where(x > lane_max, lane_sum * e + 1.0, lane_sum + e)
+        lane_max = tl.maximum(lane_max, x)
+        finite = x > float("-inf")
+        lane_min = tl.where(finite, tl.minimum(lane_min, x), lane_min)
+        lane_finite += finite.to(tl.int32)
+    row_max = tl.max(lane_max, 0)
+    shift = tl.maximum(row_max, lowest)
+    total = tl.sum(lane_sum * tl.exp2((lane_max - shift) * 1.4426950408889634), 0)
+    row_min = tl.min(lane_min, 0)
+    finite = tl.sum(lane_finite, 0)
+    top = _key(row_max) + 1  # no token's key reaches it
+
+    # Keep everything unless a search finds a boundary (the lowest key is a NaN's).
+    boundary = tl.zeros([], dtype=tl.int32) - 2147483647 - 1
+    ties = tl.zeros([], dtype=tl.int32) + vocab
+    cuts_k = (top_k > 0) & (top_k < finite)
+    kept_count = finite
+    kept_mass = total
+    if cuts_k:
+        boundary, ties = _search(row_ptr, scratch, vocab, row_max, _key(row_min), top,
+                                 finite, 0, 0.0, top_k, 0.0, False,
+                                 BLOCK, CAP, VALUE_SPAN, VALUE_STEPS)  # fmt: skip
+        kept_count, kept_mass = _suffix(row_ptr, vocab, boundary + 1, row_max, True, BLOCK)
+        # kept_* are now the part of the top-k set above the boundary's key.
+    if (top_p < 1.0) & (top_p > 0.0) & (finite > 0):
+        tie_mass = _weight(_value(boundary), row_max)
+        want = top_p * tl.where(cuts_k, kept_mass + ties * tie_mass, total)
+        if cuts_k & (kept_mass < want):
+            # The top-p boundary is among the top-k boundary's ties.
+            need = tl.ceil((want - kept_mass) / tie_mass)
+            ties = tl.maximum(tl.minimum(need, ties.to(tl.float32)).to(tl.int32), 1)
+        else:
+            lo = tl.where(cuts_k, boundary + 1, _key(row_min))
+            boundary, ties = _search(row_ptr, scratch, vocab, row_max, lo, top,
+                                     kept_count, 0, 0.0, 0, want, True,
+                                     BLOCK, CAP, VALUE_SPAN, VALUE_STEPS)  # fmt: skip
+
+    taken = tl.zeros([], dtype=tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + lanes
+        inside = idx < vocab
+        x = tl.load(row_ptr + idx, mask=inside, other=float("-inf"))
+        key = _key(x)
+        tie = (key == boundary) & inside
+        rank = taken + tl.cumsum(tie.to(tl.int32), 0) - 1
+        keep = (key > boundary) | (tie & (rank < ties))
+        tl.store(out_row + idx, tl.where(keep, x, float("-inf")), mask=inside)
+        taken += tl.sum(tie.to(tl.int32), 0)
+
+
+# Value pivots while the bounds' logits are this close, for this many steps: beyond them
+# (a logit bias of -1e30, or values crowding near zero) key pivots bound the search.
+_VALUE_SPAN = 1024.0
+_VALUE_STEPS = 16
+
+
+def top_k_top_p_triton(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    block: int | None = None,
+    cap: int | None = None,
+) -> torch.Tensor:
+    """Mask what top-k and then top-p drop, one program a row.
+
+    Args:
+        logits: ``[rows, vocab]`` float32; rows may be strided.
+        top_k: ``[rows]`` integers, 0 keeps all.
+        top_p: ``[rows]`` floats in (0, 1], 1 keeps all.
+        block, cap: powers of two, the pass width and the most tokens sorted at the end of a
+            search (tests use small ones to reach every path on small vocabularies).
+
+    Returns:
+        A new contiguous float32 ``[rows, vocab]`` tensor.
+    """
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(
+            f"logits must be [rows, vocab] float32, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    rows, vocab = logits.shape
+    if top_k.shape != (rows,) or top_p.shape != (rows,):
+        raise ValueError(
+            f"top_k and top_p must be [{rows}], got {tuple(top_k.shape)} and {tuple(top_p.shape)}"
+        )
+    block = block or _BLOCK
+    cap = cap or _CAP
+    for name, size in (("block", block), ("cap", cap)):
+        if size < 2 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two of at least 2, got {size}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    if rows == 0 or vocab == 0:
+        return out
+    scratch = torch.empty((rows, cap), dtype=torch.int64, device=logits.device)
+    _top_k_top_p_kernel[(rows,)](
+        logits,
+        out,
+        top_k,
+        top_p,
+        scratch,
+        logits.stride(0),
+        out.stride(0),
+        vocab,
+        BLOCK=block,
+        CAP=cap,
+        VALUE_SPAN=_VALUE_SPAN,
+        VALUE_STEPS=_VALUE_STEPS,
+        num_warps=_NUM_WARPS,
+    )
+    return out

@@ -1,0 +1,143 @@
+"""Top-k/top-p truncation on the GPU: the Triton kernel against the stable sort it replaced.
+
+    python scripts/bench_truncation.py [--rows 1,32,64,256] [--vocab 128256] [--iters 50]
+                                       [--no-sampler] [--json PATH]
+
+Two kinds of rows, both bf16-rounded logits upcast to float32 as a model's are:
+
+* ``peaked``: N(0, 3), the softmax concentrated on a few hundred tokens, as a trained model's
+  next-token distribution often is;
+* ``flat``: N(0, 0.5), as a random-weight preset's: top-p 0.9 keeps most of the vocabulary and
+  the kernel's search takes its most steps.
+
+Each at top-p 0.9 alone and at top-k 50 with top-p 0.9. Times are the median over ``--iters``
+replays of a CUDA graph holding one call (so launch overhead is not counted), by CUDA events.
+Then, unless ``--no-sampler``, the compiled full sampler (``sample_full`` at Llama 3's
+generation config, temperature 0.6 and top-p 0.9, as the worker's graphs run it) on peaked
+rows, with the truncation from the kernel and from the sort. Each truncation case also
+reports how many rows keep the same tokens both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from cbpipe.worker.kernels import truncation
+from cbpipe.worker.sampler import FullSamplingInputs, sample_full, top_k_top_p_reference
+
+
+def graph_time(iters: int, fn: Callable[..., object], *args: object) -> float:
+    """Median milliseconds of one replay of a graph holding ``fn(*args)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(*args)  # compiles and warms outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def make_logits(kind: str, rows: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = 3.0 if kind == "peaked" else 0.5
+    x = torch.randn(rows, vocab, device="cuda", generator=gen) * scale
+    return x.bfloat16().float()
+
+
+def llama3_sampling(rows: int) -> FullSamplingInputs:
+    """Every row at Llama 3's generation config: temperature 0.6, top-p 0.9."""
+
+    def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device="cuda")
+
+    return FullSamplingInputs(
+        temperature=column(0.6), top_p=column(0.9), top_k=column(0, torch.int32),
+        min_p=column(0.0), presence_penalty=column(0.0), frequency_penalty=column(0.0),
+        repetition_penalty=column(1.0), seed=torch.arange(rows, device="cuda"),
+        output_index=column(3, torch.int32), rows=torch.arange(rows, device="cuda"),
+        truncation=True,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,32,64,256")
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--no-sampler", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = []
+    print(f"{'kind':7} {'top-k':>5} {'rows':>5} {'sort ms':>8} {'kernel ms':>9} {'x':>6} "
+          f"{'same rows':>9} {'kept p50':>8}")  # fmt: skip
+    for rows in (int(r) for r in args.rows.split(",")):
+        for kind in ("peaked", "flat"):
+            logits = make_logits(kind, rows, args.vocab)
+            top_p = torch.full((rows,), 0.9, device="cuda")
+            for k in (0, 50):
+                top_k = torch.full((rows,), k, dtype=torch.int32, device="cuda")
+                call = (logits, top_k, top_p)
+                sort_ms = graph_time(args.iters, top_k_top_p_reference, *call)
+                kernel_ms = graph_time(args.iters, truncation.top_k_top_p_triton, *call)
+                want = top_k_top_p_reference(*call) > float("-inf")
+                got = truncation.top_k_top_p_triton(*call) > float("-inf")
+                same = int((want == got).all(-1).sum())
+                kept = int(got.sum(-1).float().median())
+                results.append(
+                    dict(kind=kind, top_k=k, rows=rows, sort_ms=sort_ms, kernel_ms=kernel_ms,
+                         same_rows=same, kept_p50=kept)
+                )  # fmt: skip
+                print(
+                    f"{kind:7} {k:>5} {rows:>5} {sort_ms:8.3f} {kernel_ms:9.3f} "
+                    f"{sort_ms / kernel_ms:6.1f} {same:>5}/{rows:<3} {kept:>8}",
+                    flush=True,
+                )
+
+    if not args.no_sampler:
+        from cbpipe.worker.compiling import compile_decode_fn
+
+        print(f"\n{'compiled sample_full':22} {'rows':>5} {'kernel ms':>9} {'sort ms':>8}")
+        compiled = compile_decode_fn(sample_full)
+        kernel = truncation.top_k_top_p_triton
+        for rows in (int(r) for r in args.rows.split(",")):
+            logits = make_logits("peaked", rows, args.vocab).bfloat16()
+            state = torch.zeros(rows + 1, args.vocab, device="cuda")
+            counts = torch.zeros(rows + 1, args.vocab, dtype=torch.int32, device="cuda")
+            seen = counts > 0
+
+            inputs = llama3_sampling(rows)
+            call = (logits, state, counts, seen, inputs)
+            timings = {}
+            for name, impl in (("kernel", kernel), ("sort", top_k_top_p_reference)):
+                truncation.top_k_top_p_triton = impl  # what the op calls on CUDA
+                try:
+                    timings[name] = graph_time(args.iters, compiled, *call)
+                finally:
+                    truncation.top_k_top_p_triton = kernel
+            results.append(dict(kind="sample_full", rows=rows, kernel_ms=timings["kernel"],
+                                sort_ms=timings["sort"]))  # fmt: skip
+            print(f"{'':22} {rows:>5} {timings['kernel']:9.3f} {timings['sort']:8.3f}",
+                  flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The Triton top-k/top-p kernel against the sort it replaces (``top_k_top_p_reference``).
+
+CPU cases run under Triton's interpreter in one subprocess (``tests/unit/triton_interpreter.py``
+says why), with small passes and a small sort capacity so that every path of the search runs
+on small vocabularies: bisection by value and by key, the gather and sort, and a boundary
+inside more ties than the sort holds. With CUDA the same cases and Llama 3's vocabulary run
+on the GPU, plus a check that a call never synchronises and a CUDA graph replayed after
+rewriting its inputs in place. ``pytest tests/unit/test_truncation_kernel.py -m gpu`` runs the
+GPU ones.
+
+A row may keep one token more or fewer than the sort only where the sort's running mass
+lands within float32 rounding of ``top_p`` (the kernel sums in another order); ``compare``
+checks that every difference is such a row's, and the cases are built to have almost none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tests.unit.triton_interpreter import (
+    check_each,
+    emit,
+    needs_cuda,
+    require_triton,
+    run_interpreted,
+)
+
+# How close (in probability) the sort's running mass must come to top_p for rounding to
+# decide a token: float32 sums of a few thousand terms are good to about 1e-6.
+_ROUNDING = 1e-5
+_LLAMA3 = 128256
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    rows: int
+    vocab: int
+    # "randn": N(0, 3); "bf16": the same rounded to bfloat16 (ties by the dozen); "flat":
+    # N(0, 0.01) (every token near every other); "tie-block": a block of 3/5 of the row at one
+    # value near the top, more than the sort holds; "neg-inf": -inf scattered, most of a row,
+    # all but one, all; "huge": a few logits at -1e30 and +-1e4 beside N(0, 3).
+    values: str = "randn"
+    # Per row in turn (0 and 1 keep all).
+    top_k: tuple[int, ...] = (0,)
+    top_p: tuple[float, ...] = (0.9,)
+    block: int | None = None  # None: the module's defaults
+    cap: int | None = None
+    strided: bool = False
+    seed: int = 0
+
+
+_SMALL = {"block": 128, "cap": 32}
+CPU_CASES = [
+    Case("top-p", 6, 1500, top_p=(0.9, 0.5, 0.99, 0.1, 0.999, 1e-6), **_SMALL),
+    Case("top-k", 6, 1500, top_k=(1, 7, 40, 1499, 1500, 5000), top_p=(1.0,), **_SMALL),
+    Case(
+        "top-k-then-top-p",
+        6,
+        1500,
+        top_k=(40, 300, 2, 1, 1000, 0),
+        top_p=(0.9, 0.5, 0.99, 0.3, 0.95, 0.8),
+        **_SMALL,
+    ),
+    Case("bf16-ties", 6, 1500, "bf16", top_k=(0, 50, 0), top_p=(0.9, 0.8, 0.6), **_SMALL),
+    Case("flat", 4, 1500, "flat", top_k=(0, 0, 700, 30), top_p=(0.9, 0.4, 0.7, 1.0), **_SMALL),
+    Case(
+        "tie-block",
+        6,
+        1500,
+        "tie-block",
+        top_k=(0, 0, 400, 0, 1200, 100),
+        top_p=(0.5, 0.05, 1.0, 0.97, 0.6, 0.9),
+        **_SMALL,
+    ),
+    Case("neg-inf", 8, 1500, "neg-inf", top_k=(0, 20, 0, 3), top_p=(0.9, 0.9, 1.0, 0.5), **_SMALL),
+    Case("huge", 4, 1500, "huge", top_k=(0, 10, 0, 1400), top_p=(0.9, 0.9, 0.999, 0.5), **_SMALL),
+    Case("strided", 4, 1000, top_k=(0, 30), top_p=(0.8, 0.95), strided=True, **_SMALL),
+    Case("vocab1", 3, 1, top_k=(0, 1, 5), top_p=(0.5, 1.0, 0.9), block=2, cap=2),
+    Case("defaults", 2, 3000, top_k=(0, 64), top_p=(0.9, 0.9)),
+]
+GPU_CASES = [
+    *CPU_CASES,
+    Case("llama3-top-p", 64, _LLAMA3, "bf16", top_p=(0.9, 0.95, 0.5, 0.99)),
+    Case(
+        "llama3-top-k-top-p",
+        32,
+        _LLAMA3,
+        "bf16",
+        top_k=(50, 0, 1000, 20),
+        top_p=(0.95, 0.9, 0.8, 1.0),
+    ),
+    Case("llama3-flat", 16, _LLAMA3, "flat", top_p=(0.9, 0.5)),
+    Case("llama3-tie-block", 8, _LLAMA3, "tie-block", top_k=(0, 30000), top_p=(0.5, 0.9)),
+    Case("llama3-neg-inf", 8, _LLAMA3, "neg-inf", top_k=(0, 20), top_p=(0.9, 0.7)),
+    Case("llama3-batch256", 256, _LLAMA3, top_k=(0, 40), top_p=(0.9, 0.95)),
+]
+
+
+def make_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(case.seed)
+    shape = (case.rows, case.vocab)
+    scale = 0.01 if case.values == "flat" else 3.0
+    x = torch.randn(shape, generator=gen) * scale
+    if case.values == "bf16":
+        x = x.bfloat16().float()
+    elif case.values == "tie-block":
+        block = case.vocab * 3 // 5
+        start = torch.randint(0, case.vocab - block + 1, (1,), generator=gen).item()
+        x[:, start : start + block] = 5.0  # above most of N(0, 3), below its tail
+    elif case.values == "neg-inf":
+        for row in range(case.rows):
+            pattern = row % 4
+            if pattern == 0:
+                x[row, torch.rand(case.vocab, generator=gen) < 0.5] = float("-inf")
+            elif pattern == 1:
+                x[row, : case.vocab * 4 // 5] = float("-inf")
+            elif pattern == 2:
+                x[row, 1:] = float("-inf")
+            else:
+                x[row] = float("-inf")
+    elif case.values == "huge":
+        x[:, ::97] = -1e30
+        x[:, 5::101] = 1e4 * torch.sign(torch.randn(x[:, 5::101].shape, generator=gen))
+    rows = torch.arange(case.rows)
+    top_k = torch.tensor(case.top_k, dtype=torch.int32)[rows % len(case.top_k)]
+    top_p = torch.tensor(case.top_p, dtype=torch.float32)[rows % len(case.top_p)]
+    if case.strided:
+        wide = torch.full((case.rows * 2, case.vocab + 13), 7.0)
+        wide[::2, 5 : 5 + case.vocab] = x
+        logits = wide.to(device)[::2, 5 : 5 + case.vocab]
+    else:
+        logits = x.to(device)
+    return logits, top_k.to(device), top_p.to(device)
+
+
+def _boundary_is_rounding(x: torch.Tensor, top_k: int, top_p: float) -> bool:
+    """Whether the sort's running mass, in float64, comes within ``_ROUNDING`` of ``top_p``
+    where it decides a token of this row."""
+    if top_p >= 1.0:
+        return False
+    values = x.double().sort(descending=True, stable=True).values
+    if 0 < top_k < values.numel():
+        values = values[:top_k]
+    probs = values.softmax(-1)
+    before = probs.cumsum(-1) - probs
+    return bool(((before - top_p).abs() < _ROUNDING).any())
+
+
+def compare(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, got: torch.Tensor
+) -> dict[str, object]:
+    from cbpipe.worker.sampler import top_k_top_p_reference
+
+    x, got = logits.float().cpu(), got.cpu()
+    want = top_k_top_p_reference(x, top_k.cpu(), top_p.cpu())
+    kept_got, kept_want = got > float("-inf"), want > float("-inf")
+    differing = (kept_got != kept_want).sum(-1)
+    unexplained = [
+        row
+        for row in range(x.shape[0])
+        if differing[row] > 1
+        or (differing[row] == 1
+            and not _boundary_is_rounding(x[row], int(top_k[row]), float(top_p[row])))
+    ]  # fmt: skip
+    return {
+        "shape_ok": got.shape == x.shape and got.dtype == torch.float32,
+        "values_kept": bool(torch.equal(got[kept_got], x[kept_got])),
+        "rows_differing": int((differing > 0).sum()),
+        "unexplained_rows": unexplained,
+        "kept": kept_got.sum(-1).tolist(),
+    }
+
+
+def check_case(case: Case, device: torch.device) -> dict[str, object]:
+    from cbpipe.worker.kernels.truncation import top_k_top_p_triton
+
+    logits, top_k, top_p = make_inputs(case, device)
+    got = top_k_top_p_triton(logits, top_k, top_p, block=case.block, cap=case.cap)
+    return compare(logits, top_k, top_p, got)
+
+
+def assert_result(case: Case, result: dict[str, Any]) -> None:
+    assert "error" not in result, f"{case.name} raised:\n{result['error']}"
+    assert result["shape_ok"], f"{case.name}: wrong dtype or shape"
+    assert result["values_kept"], f"{case.name}: a kept logit changed"
+    assert not result["unexplained_rows"], (
+        f"{case.name}: rows {result['unexplained_rows']} keep other tokens than the sort "
+        f"(kept per row: {result['kept']})"
+    )
+    # Rounding decides a token in very few rows; more than one in eight is a real difference.
+    assert result["rows_differing"] * 8 <= case.rows, f"{case.name}: {result}"
+
+
+def _interpreter_main() -> None:
+    """Subprocess entry: every CPU case under the interpreter, one JSON line on stdout."""
+    emit(check_each(CPU_CASES, lambda case: check_case(case, torch.device("cpu"))))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, Any]:
+    return run_interpreted("tests.unit.test_truncation_kernel")
+
+
+def test_triton_is_importable() -> None:
+    require_triton()
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_interpreter_matches_the_sort(case: Case, interpreter_results: dict[str, Any]) -> None:
+    assert_result(case, interpreter_results[case.name])
+
+
+def test_the_cases_reach_every_path() -> None:
+    """The CPU cases cut inside a tie block longer than the sort capacity, keep everything,
+    and keep a single token, so a kernel that skipped any of those paths would be seen."""
+    kept = {}
+    for case in CPU_CASES:
+        logits, top_k, top_p = make_inputs(case, torch.device("cpu"))
+        from cbpipe.worker.sampler import top_k_top_p_reference
+
+        kept[case.name] = (top_k_top_p_reference(logits, top_k, top_p) > float("-inf")).sum(-1)
+    block = 1500 * 3 // 5
+    tie_rows = kept["tie-block"]
+    assert ((tie_rows > 32) & (tie_rows < block)).any()  # a cut inside the ties
+    assert (kept["top-k"] == 1500).any() and (kept["top-k"] == 1).any()
+    assert (kept["flat"][:3] > 32).all()  # the search narrows by many steps
+
+
+def test_bad_inputs_are_refused() -> None:
+    from cbpipe.worker.kernels.truncation import top_k_top_p_triton
+
+    k, p = torch.zeros(2, dtype=torch.int32), torch.ones(2)
+    with pytest.raises(ValueError, match="rows, vocab"):
+        top_k_top_p_triton(torch.zeros(2, 3, dtype=torch.bfloat16), k, p)
+    with pytest.raises(ValueError, match="top_k and top_p"):
+        top_k_top_p_triton(torch.zeros(3, 5), k, p)
+    with pytest.raises(ValueError, match="power of two"):
+        top_k_top_p_triton(torch.zeros(2, 5), k, p, cap=48)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_matches_the_sort(case: Case) -> None:
+    assert_result(case, check_case(case, torch.device("cuda")))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_op_takes_the_kernel_and_never_syncs() -> None:
+    from cbpipe.worker.sampler import _apply_top_k_top_p
+
+    case = Case("op", 32, _LLAMA3, "bf16", top_k=(0, 50), top_p=(0.9, 0.8))
+    logits, top_k, top_p = make_inputs(case, torch.device("cuda"))
+    _apply_top_k_top_p(logits, top_k, top_p)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _apply_top_k_top_p(logits, top_k, top_p)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_result(case, compare(logits, top_k, top_p, got))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph_replays_with_rewritten_inputs() -> None:
+    from cbpipe.worker.kernels.truncation import top_k_top_p_triton
+
+    device = torch.device("cuda")
+    first = Case("graph-0", 32, _LLAMA3, "bf16", top_k=(0, 50), top_p=(0.9, 0.8))
+    logits, top_k, top_p = make_inputs(first, device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        top_k_top_p_triton(logits, top_k, top_p)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = top_k_top_p_triton(logits, top_k, top_p)
+
+    for case in [
+        Case("graph-flat", 32, _LLAMA3, "flat", top_k=(0, 1000), top_p=(0.5, 0.9), seed=1),
+        Case("graph-ties", 32, _LLAMA3, "tie-block", top_k=(0, 7), top_p=(0.6, 1.0), seed=2),
+    ]:
+        new_logits, new_k, new_p = make_inputs(case, device)
+        logits.copy_(new_logits)
+        top_k.copy_(new_k)
+        top_p.copy_(new_p)
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_result(case, compare(logits, top_k, top_p, got))
+
+
+if __name__ == "__main__":
+    _interpreter_main()
