@@ -8,9 +8,10 @@ on the GPU, plus a check that a call never synchronises and a CUDA graph replaye
 rewriting its inputs in place. ``pytest tests/unit/test_truncation_kernel.py -m gpu`` runs the
 GPU ones.
 
-A row may keep one token more or fewer than the sort only where the sort's running mass
-lands within float32 rounding of ``top_p`` (the kernel sums in another order); ``compare``
-checks that every difference is such a row's, and the cases are built to have almost none.
+Both the kernel and the sort sum float32 masses, each in its own order, so on a row of
+128 k tokens they may cut a few tokens apart; ``compare`` checks the kernel against float64:
+its kept tokens are a prefix of the order, of a length whose running mass is within
+``_MASS_TOLERANCE`` of exact.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from tests.unit.triton_interpreter import (
     run_interpreted,
 )
 
-# How close (in probability) the sort's running mass must come to top_p for rounding to
-# decide a token: float32 sums of a few thousand terms are good to about 1e-6.
-_ROUNDING = 1e-5
+# How far (in probability) from top_p the float64 running mass at the kernel's cut may lie:
+# float32 sums of 128 k terms in blocks, the kernel's, are good to about 1e-6.
+_MASS_TOLERANCE = 1e-5
 _LLAMA3 = 128256
 
 
@@ -138,41 +139,45 @@ def make_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...]:
     return logits, top_k.to(device), top_p.to(device)
 
 
-def _boundary_is_rounding(x: torch.Tensor, top_k: int, top_p: float) -> bool:
-    """Whether the sort's running mass, in float64, comes within ``_ROUNDING`` of ``top_p``
-    where it decides a token of this row."""
-    if top_p >= 1.0:
-        return False
+def allowed_counts(x: torch.Tensor, top_k: int, top_p: float) -> tuple[int, int]:
+    """How many tokens of this row may stay: exactly what top-k and top-p keep in float64,
+    give or take the tokens whose running mass lies within ``_MASS_TOLERANCE`` of ``top_p``."""
     values = x.double().sort(descending=True, stable=True).values
-    if 0 < top_k < values.numel():
-        values = values[:top_k]
-    probs = values.softmax(-1)
+    finite = int((values > float("-inf")).sum())
+    keep = finite if top_k <= 0 else min(top_k, finite)
+    if top_p >= 1.0 or keep == 0:
+        return keep, keep
+    probs = values[:keep].softmax(-1)
     before = probs.cumsum(-1) - probs
-    return bool(((before - top_p).abs() < _ROUNDING).any())
+    fewest = int((before < top_p - _MASS_TOLERANCE).sum())
+    most = int((before < top_p + _MASS_TOLERANCE).sum())
+    return max(fewest, 1), max(most, 1)
 
 
 def compare(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, got: torch.Tensor
 ) -> dict[str, object]:
+    """The kept tokens are a prefix of the order (logit descending, index ascending) of a
+    length that float64 allows; and how many rows differ from the float32 sort's."""
     from cbpipe.worker.sampler import top_k_top_p_reference
 
     x, got = logits.float().cpu(), got.cpu()
-    want = top_k_top_p_reference(x, top_k.cpu(), top_p.cpu())
-    kept_got, kept_want = got > float("-inf"), want > float("-inf")
-    differing = (kept_got != kept_want).sum(-1)
-    unexplained = [
-        row
-        for row in range(x.shape[0])
-        if differing[row] > 1
-        or (differing[row] == 1
-            and not _boundary_is_rounding(x[row], int(top_k[row]), float(top_p[row])))
-    ]  # fmt: skip
+    kept = got > float("-inf")
+    order = x.sort(dim=-1, descending=True, stable=True).indices
+    wrong = []
+    for row in range(x.shape[0]):
+        n = int(kept[row].sum())
+        fewest, most = allowed_counts(x[row], int(top_k[row]), float(top_p[row]))
+        prefix = torch.zeros_like(kept[row])
+        prefix[order[row, :n]] = True
+        if not (fewest <= n <= most and torch.equal(kept[row], prefix)):
+            wrong.append((row, n, fewest, most))
+    sort_kept = top_k_top_p_reference(x, top_k.cpu(), top_p.cpu()) > float("-inf")
     return {
         "shape_ok": got.shape == x.shape and got.dtype == torch.float32,
-        "values_kept": bool(torch.equal(got[kept_got], x[kept_got])),
-        "rows_differing": int((differing > 0).sum()),
-        "unexplained_rows": unexplained,
-        "kept": kept_got.sum(-1).tolist(),
+        "values_kept": bool(torch.equal(got[kept], x[kept])),
+        "wrong_rows": wrong,
+        "rows_unlike_the_sort": int((kept != sort_kept).any(-1).sum()),
     }
 
 
@@ -188,12 +193,10 @@ def assert_result(case: Case, result: dict[str, Any]) -> None:
     assert "error" not in result, f"{case.name} raised:\n{result['error']}"
     assert result["shape_ok"], f"{case.name}: wrong dtype or shape"
     assert result["values_kept"], f"{case.name}: a kept logit changed"
-    assert not result["unexplained_rows"], (
-        f"{case.name}: rows {result['unexplained_rows']} keep other tokens than the sort "
-        f"(kept per row: {result['kept']})"
+    assert not result["wrong_rows"], (
+        f"{case.name}: (row, kept, fewest allowed, most allowed) of the rows that keep what "
+        f"top-k and top-p do not: {result['wrong_rows']}"
     )
-    # Rounding decides a token in very few rows; more than one in eight is a real difference.
-    assert result["rows_differing"] * 8 <= case.rows, f"{case.name}: {result}"
 
 
 def _interpreter_main() -> None:

@@ -25,10 +25,12 @@ Design, one program a row:
   few steps) and for at most ``_VALUE_STEPS`` steps, otherwise of their keys (at most 32
   steps from any bounds).
 * The search stops when at most ``CAP`` tokens lie between the bounds: one more pass gathers
-  them into scratch as ``(key, -index)`` packed in an int64, ``tl.sort`` puts them in order in
-  registers, and a running sum from ``hi``'s suffix finds the boundary. Or it stops when the
-  bounds are adjacent keys, so every token between them ties, and the boundary's ``ties``
-  follow by arithmetic (a row of bf16 logits has ties by the thousand).
+  their keys into scratch, and the bisection goes on over those in registers, each step's
+  pivot between the smallest and largest candidate left, until one key is left, the
+  boundary's. Or it stops when the bounds are adjacent keys, so every token between them
+  ties. Either way the boundary's ``ties`` follow by arithmetic, since tied tokens weigh the
+  same (a row of bf16 logits has ties by the thousand). No sort: ``tl.sort`` of 2,048
+  candidates took longer than a dozen passes over the row (docs/PERFORMANCE.md).
 * Top-k searches by count (no exponentials), then one pass sums the top-k set's mass
   ``Z_k``; top-p searches the top-k set's tokens by mass for ``top_p * Z_k``.
 * A last pass writes each logit or ``-inf``, numbering the boundary's ties by index on the
@@ -37,8 +39,9 @@ Design, one program a row:
 A row's passes: the first, the search's (a handful for a peaked distribution, more for a flat
 one), one gather, one with top-k, and the write. Nothing about a launch depends on device
 values, so a call never synchronises and can be captured in a CUDA graph. Masses are float32
-sums in the kernel's own order, so a row whose running mass lands within rounding of
-``top_p * Z_k`` may keep one token more or fewer than the sort's cumulative sum would.
+sums in the kernel's own order, and so are the sort's running masses in theirs: over 128 k
+tokens the two may cut a few tokens apart, both within about 1e-6 of probability mass of
+the float64 cut (the tests hold the kernel to 1e-5).
 ``-inf`` logits never stay past the cut and are never counted; NaN and ``+inf`` logits give
 unspecified results. A row whose ``top_p`` is not positive keeps every token (the protocol
 refuses such a value; graph padding rows carry 0).
@@ -51,10 +54,10 @@ import triton
 import triton.language as tl
 
 # Launch settings (module attributes, for a benchmark to override): a pass reads BLOCK
-# logits a step, 8 a thread at 8 warps; CAP tokens are sorted in registers at the end of a
-# search.
+# logits a step, 8 a thread at 8 warps; a search goes on in registers once at most CAP
+# tokens are left between its bounds.
 _BLOCK = 2048
-_CAP = 2048
+_CAP = 4096
 _NUM_WARPS = 8
 
 
@@ -143,8 +146,9 @@ def _search(
 
     between = count_lo - count_hi
     if between <= CAP:
-        # Gather the tokens between the bounds, in index order, then sort them into the
-        # order: key descending, index ascending (the low word holds 2**31 - 1 - index).
+        # Gather the keys between the bounds into scratch, then bisect those in registers:
+        # each step splits the candidates left between the bounds by a pivot among their own
+        # keys, until one key is left, the boundary's.
         lanes = tl.arange(0, BLOCK)
         taken = tl.zeros([], dtype=tl.int32)
         for start in range(0, vocab, BLOCK):
@@ -153,33 +157,48 @@ def _search(
             key = _key(x)
             inside = (key >= lo) & (key < hi) & (idx < vocab)
             slot = taken + tl.cumsum(inside.to(tl.int32), 0) - 1
-            packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
-            tl.store(scratch_ptr + slot, packed, mask=inside)
+            tl.store(scratch_ptr + slot, key, mask=inside)
             taken += tl.sum(inside.to(tl.int32), 0)
-        pos = tl.arange(0, CAP)
-        valid = pos < between
-        # Padding sorts last: the lowest key, which no logit has (it is a NaN's).
-        pad = -2147483648 << 32
-        packed = tl.load(scratch_ptr + pos, mask=valid, other=pad)
-        packed = tl.sort(packed, 0, descending=True)
-        key = (packed >> 32).to(tl.int32)
-        weight = tl.where(valid, _weight(_value(key), row_max), 0.0)
-        cum_count = count_hi + pos + 1
-        cum_mass = mass_hi + tl.cumsum(weight, 0)
-        reached = valid & (cum_count >= want_count) & (cum_mass >= want_mass)
-        # None reached only by rounding (lo's suffix was summed in another order): the last.
-        end = tl.min(tl.where(reached, pos, between - 1), 0)
-        boundary = tl.max(tl.where(pos == end, key, -2147483648), 0)
-        first = tl.min(tl.where(valid & (key == boundary), pos, CAP), 0)
-        ties = end - first + 1
+        valid = tl.arange(0, CAP) < between
+        keys = tl.load(scratch_ptr + tl.arange(0, CAP), mask=valid, other=0)
+        weights = tl.where(valid, _weight(_value(keys), row_max), 0.0)
+        low = tl.min(tl.where(valid, keys, 2147483647), 0)
+        high = tl.max(tl.where(valid, keys, -2147483647 - 1), 0)
+        step = tl.zeros([], dtype=tl.int32)
+        while low < high:
+            # A pivot in (low, high], so that candidates lie on both sides of it.
+            low_x = _value(low)
+            by_value = _key(low_x + (_value(high) - low_x) * 0.5)
+            by_key = ((low.to(tl.int64) + high.to(tl.int64) + 1) >> 1).to(tl.int32)
+            use_value = (step < VALUE_STEPS) & (by_value > low) & (by_value <= high)
+            pivot = tl.where(use_value, by_value, by_key)
+            hit = valid & (keys >= pivot)
+            count = count_hi + tl.sum(hit.to(tl.int32), 0)
+            mass = mass_hi + tl.sum(tl.where(hit, weights, 0.0), 0)
+            reached = (count >= want_count) & (mass >= want_mass)
+            # Candidates at or above the pivot if it is reached, below it if not.
+            left = valid & tl.where(reached, keys >= pivot, keys < pivot)
+            left = left & (keys >= low) & (keys <= high)
+            low = tl.min(tl.where(left, keys, 2147483647), 0)
+            high = tl.max(tl.where(left, keys, -2147483647 - 1), 0)
+            step += 1
+        boundary = low
+        above = valid & (keys > boundary)
+        above_count = count_hi + tl.sum(above.to(tl.int32), 0)
+        above_mass = mass_hi + tl.sum(tl.where(above, weights, 0.0), 0)
+        tied = tl.sum((valid & (keys == boundary)).to(tl.int32), 0)
     else:
-        # Adjacent bounds: every token between them has key lo, each of the same mass.
+        # Adjacent bounds: every token between them has key lo.
         boundary = lo
-        tie_mass = _weight(_value(lo), row_max)
-        need = tl.ceil((want_mass - mass_hi) / tie_mass)  # +inf if the ties weigh nothing
-        need = tl.minimum(need, between.to(tl.float32)).to(tl.int32)
-        ties = tl.maximum(tl.maximum(want_count - count_hi, need), 1)
-        ties = tl.minimum(ties, between)
+        above_count = count_hi
+        above_mass = mass_hi
+        tied = between
+    # How many of the boundary's ties (each of the same mass) the targets need.
+    tie_mass = _weight(_value(boundary), row_max)
+    need = tl.ceil((want_mass - above_mass) / tie_mass)  # +inf if the ties weigh nothing
+    need = tl.minimum(need, tied.to(tl.float32)).to(tl.int32)
+    ties = tl.maximum(tl.maximum(want_count - above_count, need), 1)
+    ties = tl.minimum(ties, tied)
     return boundary, ties
 
 
@@ -288,8 +307,8 @@ def top_k_top_p_triton(
         logits: ``[rows, vocab]`` float32; rows may be strided.
         top_k: ``[rows]`` integers, 0 keeps all.
         top_p: ``[rows]`` floats in (0, 1], 1 keeps all.
-        block, cap: powers of two, the pass width and the most tokens sorted at the end of a
-            search (tests use small ones to reach every path on small vocabularies).
+        block, cap: powers of two, the pass width and the most tokens a search holds in
+            registers (tests use small ones to reach every path on small vocabularies).
 
     Returns:
         A new contiguous float32 ``[rows, vocab]`` tensor.
@@ -313,7 +332,7 @@ def top_k_top_p_triton(
     out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
     if rows == 0 or vocab == 0:
         return out
-    scratch = torch.empty((rows, cap), dtype=torch.int64, device=logits.device)
+    scratch = torch.empty((rows, cap), dtype=torch.int32, device=logits.device)
     _top_k_top_p_kernel[(rows,)](
         logits,
         out,
