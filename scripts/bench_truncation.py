@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     print(f"{'kind':7} {'top-k':>5} {'rows':>5} {'sort ms':>8} {'kernel ms':>9} {'x':>6} "
-          f"{"same as sort":>12} {'kept p50':>8}")  # fmt: skip
+          f"{'same as sort':>12} {'kept p50':>8}")  # fmt: skip
     for rows in (int(r) for r in args.rows.split(",")):
         for kind in ("peaked", "flat"):
             logits = make_logits(kind, rows, args.vocab)
