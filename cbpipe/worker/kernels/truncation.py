@@ -25,24 +25,26 @@ Design, one program a row:
   few steps) and for at most ``_VALUE_STEPS`` steps, otherwise of their keys (at most 32
   steps from any bounds).
 * The search stops when at most ``CAP`` tokens lie between the bounds: one more pass gathers
-  their keys into scratch, and the bisection goes on over those in registers, each step's
-  pivot between the smallest and largest candidate left, until one key is left, the
-  boundary's. Or it stops when the bounds are adjacent keys, so every token between them
+  their keys into scratch (each token's slot from an atomic counter rather than a scan over
+  each step's tokens, which a plain pass has none of), and the bisection goes on over those in registers,
+  each step's pivot between the smallest and largest candidate left, until one key is left,
+  the boundary's. Or it stops when the bounds are adjacent keys, so every token between them
   ties. Either way the boundary's ``ties`` follow by arithmetic, since tied tokens weigh the
   same (a row of bf16 logits has ties by the thousand). No sort: ``tl.sort`` of 2,048
   candidates took longer than a dozen passes over the row (docs/PERFORMANCE.md).
 * Top-k searches by count (no exponentials), then one pass sums the top-k set's mass
   ``Z_k``; top-p searches the top-k set's tokens by mass for ``top_p * Z_k``.
-* A last pass writes each logit or ``-inf``, numbering the boundary's ties by index on the
-  way.
+* When the cut falls inside the boundary's ties, the index of the last tie kept comes from
+  one more gather (of the ties' indices) and a bisection over them.
+* A last pass writes each logit or ``-inf``.
 
-A row's passes: the first, the search's (a handful for a peaked distribution, more for a flat
-one), one gather, one with top-k, and the write. Nothing about a launch depends on device
-values, so a call never synchronises and can be captured in a CUDA graph. Masses are float32
-sums in the kernel's own order, and so are the sort's running masses in theirs: over 128 k
-tokens the two may cut a few tokens apart, both within about 1e-6 of probability mass of
-the float64 cut (the tests hold the kernel to 1e-5).
-``-inf`` logits never stay past the cut and are never counted; NaN and ``+inf`` logits give
+A row's passes: the first, the search's (one or two for a peaked distribution, more for a
+flat one), one gather, one more with top-k, one more when the cut splits ties, and the write.
+Nothing about a launch depends on device values, so a call never synchronises and can be
+captured in a CUDA graph. Masses are float32 sums, a lane's then the lanes', and the tests
+hold the cut to within 1e-5 of probability mass of float64's; the sort's float32 running
+sum over tens of thousands of tokens drifts further, so the two may cut a few tokens apart
+on a flat row. ``-inf`` logits never stay past the cut and are never counted; NaN and ``+inf`` logits give
 unspecified results. A row whose ``top_p`` is not positive keeps every token (the protocol
 refuses such a value; graph padding rows carry 0).
 """
@@ -99,9 +101,69 @@ def _suffix(row_ptr, vocab, pivot, row_max, MASS: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK: tl.constexpr):
+    """Store the key and index of every token whose key lies in ``[lo, hi)`` into scratch, in
+    no particular order: each takes its slot from an atomic counter, so the pass has no scan
+    (a scan a step cost as much as a dozen plain passes)."""
+    tl.store(counter_ptr, 0)
+    tl.debug_barrier()
+    lanes = tl.arange(0, BLOCK)
+    counter = counter_ptr + tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + lanes
+        x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
+        key = _key(x)
+        inside = (key >= lo) & (key < hi) & (idx < vocab)
+        slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed", scope="cta")
+        tl.store(keys_ptr + slot, key, mask=inside)
+        tl.store(index_ptr + slot, idx, mask=inside)
+    tl.debug_barrier()  # the scratch is read back by other threads
+
+
+@triton.jit
+def _last_tie(
+    row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, boundary, ties, tied,
+    BLOCK: tl.constexpr, CAP: tl.constexpr,
+):  # fmt: skip
+    """The index of the ``ties``-th token, in index order, of the ``tied`` whose key is
+    ``boundary``: by bisection over the gathered indices in registers, or over the row when
+    there are more than scratch holds."""
+    low = tl.zeros([], dtype=tl.int32)
+    high = tl.zeros([], dtype=tl.int32) + vocab - 1
+    if tied <= CAP:
+        _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, boundary, boundary + 1, BLOCK)
+        valid = tl.arange(0, CAP) < tied
+        index = tl.load(index_ptr + tl.arange(0, CAP), mask=valid, other=0)
+        low = tl.min(tl.where(valid, index, vocab), 0)
+        high = tl.max(tl.where(valid, index, -1), 0)
+        while low < high:
+            middle = (low + high) >> 1
+            below = valid & (index <= middle)
+            enough = tl.sum(below.to(tl.int32), 0) >= ties
+            # The answer is at most middle if enough ties lie at or below it.
+            high = tl.where(enough, tl.max(tl.where(below, index, -1), 0), high)
+            low = tl.where(enough, low, tl.min(tl.where(valid & ~below, index, vocab), 0))
+    else:
+        lanes = tl.arange(0, BLOCK)
+        while low < high:
+            middle = (low + high) >> 1
+            count = tl.zeros([BLOCK], dtype=tl.int32)
+            for start in range(0, vocab, BLOCK):
+                idx = start + lanes
+                x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
+                count += ((_key(x) == boundary) & (idx <= middle)).to(tl.int32)
+            enough = tl.sum(count, 0) >= ties
+            high = tl.where(enough, middle, high)
+            low = tl.where(enough, low, middle + 1)
+    return low
+
+
+@triton.jit
 def _search(
     row_ptr,
-    scratch_ptr,
+    keys_ptr,
+    index_ptr,
+    counter_ptr,
     vocab,
     row_max,
     lo,
@@ -117,8 +179,9 @@ def _search(
     VALUE_SPAN: tl.constexpr,
     VALUE_STEPS: tl.constexpr,
 ):
-    """The boundary ``(key, ties)`` of the shortest prefix of the order whose count reaches
-    ``want_count`` and whose mass reaches ``want_mass``.
+    """The boundary ``(key, ties, tied)`` of the shortest prefix of the order whose count
+    reaches ``want_count`` and whose mass reaches ``want_mass``: its key, how many tokens of
+    that key the prefix holds, and how many there are.
 
     ``lo``'s suffix reaches both and ``hi``'s does not (``hi > lo``); ``count_lo``,
     ``count_hi`` and ``mass_hi`` are their suffixes' counts and ``hi``'s mass.
@@ -149,18 +212,9 @@ def _search(
         # Gather the keys between the bounds into scratch, then bisect those in registers:
         # each step splits the candidates left between the bounds by a pivot among their own
         # keys, until one key is left, the boundary's.
-        lanes = tl.arange(0, BLOCK)
-        taken = tl.zeros([], dtype=tl.int32)
-        for start in range(0, vocab, BLOCK):
-            idx = start + lanes
-            x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
-            key = _key(x)
-            inside = (key >= lo) & (key < hi) & (idx < vocab)
-            slot = taken + tl.cumsum(inside.to(tl.int32), 0) - 1
-            tl.store(scratch_ptr + slot, key, mask=inside)
-            taken += tl.sum(inside.to(tl.int32), 0)
+        _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK)
         valid = tl.arange(0, CAP) < between
-        keys = tl.load(scratch_ptr + tl.arange(0, CAP), mask=valid, other=0)
+        keys = tl.load(keys_ptr + tl.arange(0, CAP), mask=valid, other=0)
         weights = tl.where(valid, _weight(_value(keys), row_max), 0.0)
         low = tl.min(tl.where(valid, keys, 2147483647), 0)
         high = tl.max(tl.where(valid, keys, -2147483647 - 1), 0)
@@ -199,7 +253,7 @@ def _search(
     need = tl.minimum(need, tied.to(tl.float32)).to(tl.int32)
     ties = tl.maximum(tl.maximum(want_count - above_count, need), 1)
     ties = tl.minimum(ties, tied)
-    return boundary, ties
+    return boundary, ties, tied
 
 
 @triton.jit
@@ -220,7 +274,10 @@ def _top_k_top_p_kernel(
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_in
     out_row = out_ptr + row.to(tl.int64) * stride_out
-    scratch = scratch_ptr + row.to(tl.int64) * CAP
+    # A row's scratch: CAP keys, CAP indices, a counter.
+    keys_ptr = scratch_ptr + row.to(tl.int64) * (2 * CAP + 1)
+    index_ptr = keys_ptr + CAP
+    counter_ptr = index_ptr + CAP
     top_k = tl.load(top_k_ptr + row).to(tl.int32)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     lanes = tl.arange(0, BLOCK)
@@ -252,13 +309,15 @@ def _top_k_top_p_kernel(
     # Keep everything unless a search finds a boundary (the lowest key is a NaN's).
     boundary = tl.zeros([], dtype=tl.int32) - 2147483647 - 1
     ties = tl.zeros([], dtype=tl.int32) + vocab
+    tied = tl.zeros([], dtype=tl.int32)
     cuts_k = (top_k > 0) & (top_k < finite)
     kept_count = finite
     kept_mass = total
     if cuts_k:
-        boundary, ties = _search(row_ptr, scratch, vocab, row_max, _key(row_min), top,
-                                 finite, 0, 0.0, top_k, 0.0, False,
-                                 BLOCK, CAP, VALUE_SPAN, VALUE_STEPS)  # fmt: skip
+        boundary, ties, tied = _search(
+            row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, _key(row_min), top,
+            finite, 0, 0.0, top_k, 0.0, False, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
+        )  # fmt: skip
         kept_count, kept_mass = _suffix(row_ptr, vocab, boundary + 1, row_max, True, BLOCK)
         # kept_* are now the part of the top-k set above the boundary's key.
     if (top_p < 1.0) & (top_p > 0.0) & (finite > 0):
@@ -270,21 +329,23 @@ def _top_k_top_p_kernel(
             ties = tl.maximum(tl.minimum(need, ties.to(tl.float32)).to(tl.int32), 1)
         else:
             lo = tl.where(cuts_k, boundary + 1, _key(row_min))
-            boundary, ties = _search(row_ptr, scratch, vocab, row_max, lo, top,
-                                     kept_count, 0, 0.0, 0, want, True,
-                                     BLOCK, CAP, VALUE_SPAN, VALUE_STEPS)  # fmt: skip
+            boundary, ties, tied = _search(
+                row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, lo, top,
+                kept_count, 0, 0.0, 0, want, True, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
+            )  # fmt: skip
 
-    taken = tl.zeros([], dtype=tl.int32)
+    # The boundary's ties stay up to the index of the last one kept.
+    last = tl.zeros([], dtype=tl.int32) + vocab
+    if ties < tied:
+        last = _last_tie(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, boundary, ties, tied,
+                         BLOCK, CAP)  # fmt: skip
     for start in range(0, vocab, BLOCK):
         idx = start + lanes
         inside = idx < vocab
         x = tl.load(row_ptr + idx, mask=inside, other=float("-inf"))
         key = _key(x)
-        tie = (key == boundary) & inside
-        rank = taken + tl.cumsum(tie.to(tl.int32), 0) - 1
-        keep = (key > boundary) | (tie & (rank < ties))
+        keep = (key > boundary) | ((key == boundary) & (idx <= last))
         tl.store(out_row + idx, tl.where(keep, x, float("-inf")), mask=inside)
-        taken += tl.sum(tie.to(tl.int32), 0)
 
 
 # Value pivots while the bounds' logits are this close, for this many steps: beyond them
@@ -332,7 +393,7 @@ def top_k_top_p_triton(
     out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
     if rows == 0 or vocab == 0:
         return out
-    scratch = torch.empty((rows, cap), dtype=torch.int32, device=logits.device)
+    scratch = torch.empty((rows, 2 * cap + 1), dtype=torch.int32, device=logits.device)
     _top_k_top_p_kernel[(rows,)](
         logits,
         out,
