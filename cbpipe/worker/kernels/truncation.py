@@ -26,12 +26,12 @@ Design, one program a row:
   steps from any bounds).
 * The search stops when at most ``CAP`` tokens lie between the bounds: one more pass gathers
   their keys into scratch (each token's slot from an atomic counter rather than a scan over
-  each step's tokens, which a plain pass has none of), and the bisection goes on over those in registers,
-  each step's pivot between the smallest and largest candidate left, until one key is left,
-  the boundary's. Or it stops when the bounds are adjacent keys, so every token between them
-  ties. Either way the boundary's ``ties`` follow by arithmetic, since tied tokens weigh the
-  same (a row of bf16 logits has ties by the thousand). No sort: ``tl.sort`` of 2,048
-  candidates took longer than a dozen passes over the row (docs/PERFORMANCE.md).
+  each step's tokens, which a plain pass has none of), and the bisection goes on over those
+  in registers, each step's pivot between the smallest and largest candidate left, until
+  one key is left, the boundary's. Or it stops when the bounds are adjacent keys, so every
+  token between them ties. Either way the boundary's ``ties`` follow by arithmetic, since
+  tied tokens weigh the same (a row of bf16 logits has ties by the thousand). No sort:
+  ``tl.sort`` of 2,048 candidates cost about as much as six passes over the row.
 * Top-k searches by count (no exponentials), then one pass sums the top-k set's mass
   ``Z_k``; top-p searches the top-k set's tokens by mass for ``top_p * Z_k``.
 * When the cut falls inside the boundary's ties, the index of the last tie kept comes from
@@ -44,9 +44,9 @@ Nothing about a launch depends on device values, so a call never synchronises an
 captured in a CUDA graph. Masses are float32 sums, a lane's then the lanes', and the tests
 hold the cut to within 1e-5 of probability mass of float64's; the sort's float32 running
 sum over tens of thousands of tokens drifts further, so the two may cut a few tokens apart
-on a flat row. ``-inf`` logits never stay past the cut and are never counted; NaN and ``+inf`` logits give
-unspecified results. A row whose ``top_p`` is not positive keeps every token (the protocol
-refuses such a value; graph padding rows carry 0).
+on a flat row. ``-inf`` logits never stay past the cut and are never counted; NaN and
+``+inf`` logits give unspecified results. A row whose ``top_p`` is not positive keeps every
+token (the protocol refuses such a value; graph padding rows carry 0).
 """
 
 from __future__ import annotations
