@@ -1,7 +1,7 @@
 """Top-k/top-p truncation on the GPU: the Triton kernel against the stable sort it replaced.
 
     python scripts/bench_truncation.py [--rows 1,32,64,256] [--vocab 128256] [--iters 50]
-                                       [--no-sampler] [--json PATH]
+                                       [--launch BLOCKxWARPS,...] [--no-sampler] [--json PATH]
 
 Two kinds of rows, both bf16-rounded logits upcast to float32 as a model's are:
 
@@ -15,7 +15,9 @@ replays of a CUDA graph holding one call (so launch overhead is not counted), by
 Then, unless ``--no-sampler``, the compiled full sampler (``sample_full`` at Llama 3's
 generation config, temperature 0.6 and top-p 0.9, as the worker's graphs run it) on peaked
 rows, with the truncation from the kernel and from the sort. Each truncation case also
-reports how many rows keep the same tokens both ways.
+reports how many rows keep the same tokens both ways. First, ``--launch 2048x8,8192x16``
+times the kernel at each of those pass widths and warp counts (the module's ``_BLOCK`` and
+``_NUM_WARPS``) in turn, and the rest runs at the last of them.
 """
 
 from __future__ import annotations
@@ -80,10 +82,25 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32,64,256")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--launch", default="", help="BLOCKxWARPS,...: kernel settings to sweep")
     parser.add_argument("--no-sampler", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = []
+    launches = [tuple(map(int, item.split("x"))) for item in args.launch.split(",") if item]
+    for block, warps in launches:
+        truncation._BLOCK, truncation._NUM_WARPS = block, warps
+        for rows in (int(r) for r in args.rows.split(",")):
+            for kind in ("peaked", "flat"):
+                logits = make_logits(kind, rows, args.vocab)
+                top_p = torch.full((rows,), 0.9, device="cuda")
+                top_k = torch.zeros(rows, dtype=torch.int32, device="cuda")
+                ms = graph_time(args.iters, truncation.top_k_top_p_triton, logits, top_k, top_p)
+                results.append(dict(kind=kind, rows=rows, block=block, warps=warps, kernel_ms=ms))
+                print(f"launch {block}x{warps}: {kind:7} top-p 0.9 rows {rows:>4}: {ms:.3f} ms",
+                      flush=True)  # fmt: skip
+    if launches:
+        truncation._BLOCK, truncation._NUM_WARPS = launches[-1]
     print(f"{'kind':7} {'top-k':>5} {'rows':>5} {'sort ms':>8} {'kernel ms':>9} {'x':>6} "
           f"{'same as sort':>12} {'kept p50':>8}")  # fmt: skip
     for rows in (int(r) for r in args.rows.split(",")):

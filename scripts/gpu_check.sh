@@ -65,7 +65,8 @@
 #   compile  the micro part's 8B decode step with --compile-decode: start-up and step time
 #   truncation  top-k/top-p alone: scripts/bench_truncation.py (the Triton kernel against the
 #            stable sort it replaced, peaked and flat rows at TRUNCATION_ROWS, then the
-#            compiled full sampler both ways), then the kernel's GPU tests        (~2 min)
+#            compiled full sampler both ways; TRUNCATION_LAUNCH=2048x8,8192x16 first sweeps
+#            the kernel's pass width and warps), then the kernel's GPU tests        (~2 min)
 #   sampling the decode step per sampling preset (greedy, plain temperature, the full sampler
 #            with top-k/top-p/min_p without and with the top 20 alternatives, penalties,
 #            greedy with 5 alternatives) from CUDA graphs: random:llama-8b x32 (context 4096)
@@ -618,7 +619,7 @@ if want truncation; then
     {
         section "top-k/top-p truncation: the kernel against the sort"
         timeout -k 10 300 "$PY" scripts/bench_truncation.py --rows "${TRUNCATION_ROWS:-1,32,64,256}" \
-            --json "$OUT/truncation.json" 2>&1
+            ${TRUNCATION_LAUNCH:+--launch "$TRUNCATION_LAUNCH"} --json "$OUT/truncation.json" 2>&1
         echo "exit code ${PIPESTATUS[0]}"
         section "truncation kernel GPU tests"
         timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/unit/test_truncation_kernel.py -m gpu \

@@ -55,12 +55,14 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch settings (module attributes, for a benchmark to override): a pass reads BLOCK
-# logits a step, 8 a thread at 8 warps; a search goes on in registers once at most CAP
-# tokens are left between its bounds.
-_BLOCK = 2048
+# Launch settings (module attributes, for a benchmark to override). A pass over one row is
+# a single program's loop, so its speed is the bytes each step has in flight: 32 KB a step
+# (16 logits a thread at 16 warps, 128 registers) rather than 8 KB, whose passes ran at the
+# latency of a load a step (docs/PERFORMANCE.md). A search goes on in registers once at
+# most CAP tokens are left between its bounds.
+_BLOCK = 8192
 _CAP = 4096
-_NUM_WARPS = 8
+_NUM_WARPS = 16
 
 
 @triton.jit
