@@ -34,12 +34,12 @@ Design, one program a row:
   ``tl.sort`` of 2,048 candidates cost about as much as six passes over the row.
 * Top-k searches by count (no exponentials), then one pass sums the top-k set's mass
   ``Z_k``; top-p searches the top-k set's tokens by mass for ``top_p * Z_k``.
-* When the cut falls inside the boundary's ties, the index of the last tie kept comes from
-  one more gather (of the ties' indices) and a bisection over them.
+* When the cut falls inside the boundary's ties, the index of the last tie kept comes from a
+  bisection over the gathered indices (or, past ``CAP`` ties, over the row).
 * A last pass writes each logit or ``-inf``.
 
 A row's passes: the first, the search's (one or two for a peaked distribution, more for a
-flat one), one gather, one more with top-k, one more when the cut splits ties, and the write.
+flat one), one gather, one more with top-k, and the write.
 Nothing about a launch depends on device values, so a call never synchronises and can be
 captured in a CUDA graph. Masses are float32 sums, a lane's then the lanes', and the tests
 hold the cut to within 1e-5 of probability mass of float64's; the sort's float32 running
@@ -124,27 +124,27 @@ def _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK: tl.
 
 @triton.jit
 def _last_tie(
-    row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, boundary, ties, tied,
+    row_ptr, keys_ptr, index_ptr, vocab, boundary, ties, gathered,
     BLOCK: tl.constexpr, CAP: tl.constexpr,
 ):  # fmt: skip
-    """The index of the ``ties``-th token, in index order, of the ``tied`` whose key is
-    ``boundary``: by bisection over the gathered indices in registers, or over the row when
-    there are more than scratch holds."""
+    """The index of the ``ties``-th token, in index order, of those whose key is
+    ``boundary``: by bisection over the indices in scratch, where the search that found the
+    boundary left its ``gathered`` candidates, ties included; or, when it gathered none (more
+    ties than scratch holds), over the row."""
     low = tl.zeros([], dtype=tl.int32)
     high = tl.zeros([], dtype=tl.int32) + vocab - 1
-    if tied <= CAP:
-        _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, boundary, boundary + 1, BLOCK)
-        valid = tl.arange(0, CAP) < tied
-        index = tl.load(index_ptr + tl.arange(0, CAP), mask=valid, other=0)
-        low = tl.min(tl.where(valid, index, vocab), 0)
-        high = tl.max(tl.where(valid, index, -1), 0)
+    if gathered > 0:
+        pos = tl.arange(0, CAP)
+        valid = pos < gathered
+        keys = tl.load(keys_ptr + pos, mask=valid, other=0)
+        index = tl.load(index_ptr + pos, mask=valid, other=0)
+        index = tl.where(valid & (keys == boundary), index, vocab)  # vocab: not a tie
         while low < high:
             middle = (low + high) >> 1
-            below = valid & (index <= middle)
-            enough = tl.sum(below.to(tl.int32), 0) >= ties
             # The answer is at most middle if enough ties lie at or below it.
-            high = tl.where(enough, tl.max(tl.where(below, index, -1), 0), high)
-            low = tl.where(enough, low, tl.min(tl.where(valid & ~below, index, vocab), 0))
+            enough = tl.sum((index <= middle).to(tl.int32), 0) >= ties
+            high = tl.where(enough, middle, high)
+            low = tl.where(enough, low, middle + 1)
     else:
         lanes = tl.arange(0, BLOCK)
         while low < high:
@@ -158,6 +158,16 @@ def _last_tie(
             high = tl.where(enough, middle, high)
             low = tl.where(enough, low, middle + 1)
     return low
+
+
+@triton.jit
+def _step_sums(c1, m1, a1, b1, d1, e1, c2, m2, a2, b2, d2, e2):
+    """One register step's reduction in one tree: a count and a mass summed, the lowest and
+    highest key of the candidates on each side of the pivot."""
+    return (
+        c1 + c2, m1 + m2,
+        tl.minimum(a1, a2), tl.maximum(b1, b2), tl.minimum(d1, d2), tl.maximum(e1, e2),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -181,9 +191,10 @@ def _search(
     VALUE_SPAN: tl.constexpr,
     VALUE_STEPS: tl.constexpr,
 ):
-    """The boundary ``(key, ties, tied)`` of the shortest prefix of the order whose count
-    reaches ``want_count`` and whose mass reaches ``want_mass``: its key, how many tokens of
-    that key the prefix holds, and how many there are.
+    """The boundary ``(key, ties, tied, gathered)`` of the shortest prefix of the order whose
+    count reaches ``want_count`` and whose mass reaches ``want_mass``: its key, how many tokens
+    of that key the prefix holds, how many there are, and how many tokens (the boundary's
+    ties among them) the search left in scratch, if it gathered.
 
     ``lo``'s suffix reaches both and ``hi``'s does not (``hi > lo``); ``count_lo``,
     ``count_hi`` and ``mass_hi`` are their suffixes' counts and ``hi``'s mass.
@@ -229,33 +240,43 @@ def _search(
             use_value = (step < VALUE_STEPS) & (by_value > low) & (by_value <= high)
             pivot = tl.where(use_value, by_value, by_key)
             hit = valid & (keys >= pivot)
-            count = count_hi + tl.sum(hit.to(tl.int32), 0)
-            mass = mass_hi + tl.sum(tl.where(hit, weights, 0.0), 0)
-            reached = (count >= want_count) & (mass >= want_mass)
-            # Candidates at or above the pivot if it is reached, below it if not.
-            left = valid & tl.where(reached, keys >= pivot, keys < pivot)
-            left = left & (keys >= low) & (keys <= high)
-            low = tl.min(tl.where(left, keys, 2147483647), 0)
-            high = tl.max(tl.where(left, keys, -2147483647 - 1), 0)
+            left = valid & (keys >= low) & (keys <= high)
+            upper = left & hit
+            lower = left & ~hit
+            count, mass, upper_low, upper_high, lower_low, lower_high = tl.reduce(
+                (
+                    hit.to(tl.int32), tl.where(hit, weights, 0.0),
+                    tl.where(upper, keys, 2147483647), tl.where(upper, keys, -2147483647 - 1),
+                    tl.where(lower, keys, 2147483647), tl.where(lower, keys, -2147483647 - 1),
+                ),
+                0,
+                _step_sums,
+            )  # fmt: skip
+            reached = (count_hi + count >= want_count) & (mass_hi + mass >= want_mass)
+            # The candidates at or above the pivot if it is reached, below it if not.
+            low = tl.where(reached, upper_low, lower_low)
+            high = tl.where(reached, upper_high, lower_high)
             step += 1
         boundary = low
         above = valid & (keys > boundary)
         above_count = count_hi + tl.sum(above.to(tl.int32), 0)
         above_mass = mass_hi + tl.sum(tl.where(above, weights, 0.0), 0)
         tied = tl.sum((valid & (keys == boundary)).to(tl.int32), 0)
+        gathered = between
     else:
         # Adjacent bounds: every token between them has key lo.
         boundary = lo
         above_count = count_hi
         above_mass = mass_hi
         tied = between
+        gathered = tl.zeros([], dtype=tl.int32)
     # How many of the boundary's ties (each of the same mass) the targets need.
     tie_mass = _weight(_value(boundary), row_max)
     need = tl.ceil((want_mass - above_mass) / tie_mass)  # +inf if the ties weigh nothing
     need = tl.minimum(need, tied.to(tl.float32)).to(tl.int32)
     ties = tl.maximum(tl.maximum(want_count - above_count, need), 1)
     ties = tl.minimum(ties, tied)
-    return boundary, ties, tied
+    return boundary, ties, tied, gathered
 
 
 @triton.jit
@@ -312,11 +333,12 @@ def _top_k_top_p_kernel(
     boundary = tl.zeros([], dtype=tl.int32) - 2147483647 - 1
     ties = tl.zeros([], dtype=tl.int32) + vocab
     tied = tl.zeros([], dtype=tl.int32)
+    gathered = tl.zeros([], dtype=tl.int32)
     cuts_k = (top_k > 0) & (top_k < finite)
     kept_count = finite
     kept_mass = total
     if cuts_k:
-        boundary, ties, tied = _search(
+        boundary, ties, tied, gathered = _search(
             row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, _key(row_min), top,
             finite, 0, 0.0, top_k, 0.0, False, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
         )  # fmt: skip
@@ -331,7 +353,7 @@ def _top_k_top_p_kernel(
             ties = tl.maximum(tl.minimum(need, ties.to(tl.float32)).to(tl.int32), 1)
         else:
             lo = tl.where(cuts_k, boundary + 1, _key(row_min))
-            boundary, ties, tied = _search(
+            boundary, ties, tied, gathered = _search(
                 row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, lo, top,
                 kept_count, 0, 0.0, 0, want, True, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
             )  # fmt: skip
@@ -339,7 +361,7 @@ def _top_k_top_p_kernel(
     # The boundary's ties stay up to the index of the last one kept.
     last = tl.zeros([], dtype=tl.int32) + vocab
     if ties < tied:
-        last = _last_tie(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, boundary, ties, tied,
+        last = _last_tie(row_ptr, keys_ptr, index_ptr, vocab, boundary, ties, gathered,
                          BLOCK, CAP)  # fmt: skip
     for start in range(0, vocab, BLOCK):
         idx = start + lanes
