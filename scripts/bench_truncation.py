@@ -17,7 +17,8 @@ generation config, temperature 0.6 and top-p 0.9, as the worker's graphs run it)
 rows, with the truncation from the kernel and from the sort. Each truncation case also
 reports how many rows keep the same tokens both ways. First, ``--launch 2048x8,8192x16``
 times the kernel at each of those pass widths and warp counts (the module's ``_BLOCK`` and
-``_NUM_WARPS``) in turn, and the rest runs at the last of them.
+``_NUM_WARPS``) in turn, with rows at top-p 1 beside (``keep-all``: no search, the first
+pass and the write alone), and the rest runs at the last of them.
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ def main() -> None:
     for block, warps in launches:
         truncation._BLOCK, truncation._NUM_WARPS = block, warps
         for rows in (int(r) for r in args.rows.split(",")):
-            for kind in ("peaked", "flat"):
-                logits = make_logits(kind, rows, args.vocab)
-                top_p = torch.full((rows,), 0.9, device="cuda")
+            # keep-all: top-p 1, so no search: the first pass and the write alone.
+            for kind, p in (("peaked", 0.9), ("flat", 0.9), ("keep-all", 1.0)):
+                logits = make_logits("flat" if kind == "flat" else "peaked", rows, args.vocab)
+                top_p = torch.full((rows,), p, device="cuda")
                 top_k = torch.zeros(rows, dtype=torch.int32, device="cuda")
                 ms = graph_time(args.iters, truncation.top_k_top_p_triton, logits, top_k, top_p)
                 results.append(dict(kind=kind, rows=rows, block=block, warps=warps, kernel_ms=ms))
-                print(f"launch {block}x{warps}: {kind:7} top-p 0.9 rows {rows:>4}: {ms:.3f} ms",
+                print(f"launch {block}x{warps}: {kind:8} top-p {p} rows {rows:>4}: {ms:.3f} ms",
                       flush=True)  # fmt: skip
     if launches:
         truncation._BLOCK, truncation._NUM_WARPS = launches[-1]
