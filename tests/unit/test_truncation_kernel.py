@@ -41,6 +41,8 @@ class Case:
     name: str
     rows: int
     vocab: int
+    # "nan": every other row holds NaN or +inf (a broken model's), whose cut is unspecified
+    # but must end and leave the clean rows beside it alone;
     # "randn": N(0, 3); "bf16": the same rounded to bfloat16 (ties by the dozen); "flat":
     # N(0, 0.01) (every token near every other); "tie-block": a block of 3/5 of the row at one
     # value near the top, more than the sort holds; "neg-inf": -inf scattered, most of a row,
@@ -82,6 +84,7 @@ CPU_CASES = [
     Case("huge", 4, 1500, "huge", top_k=(0, 10, 0, 1400), top_p=(0.9, 0.9, 0.999, 0.5), **_SMALL),
     Case("strided", 4, 1000, top_k=(0, 30), top_p=(0.8, 0.95), strided=True, **_SMALL),
     Case("vocab1", 3, 1, top_k=(0, 1, 5), top_p=(0.5, 1.0, 0.9), block=2, cap=2),
+    Case("nan", 8, 1500, "nan", top_k=(0, 0, 50, 50), top_p=(0.9, 0.9, 0.8, 0.8), **_SMALL),
     Case("defaults", 2, 3000, top_k=(0, 64), top_p=(0.9, 0.9)),
 ]
 GPU_CASES = [
@@ -99,6 +102,7 @@ GPU_CASES = [
     Case("llama3-tie-block", 8, _LLAMA3, "tie-block", top_k=(0, 30000), top_p=(0.5, 0.9)),
     Case("llama3-neg-inf", 8, _LLAMA3, "neg-inf", top_k=(0, 20), top_p=(0.9, 0.7)),
     Case("llama3-batch256", 256, _LLAMA3, top_k=(0, 40), top_p=(0.9, 0.95)),
+    Case("llama3-nan", 16, _LLAMA3, "nan", top_k=(0, 0, 50, 50), top_p=(0.9, 0.9, 0.8, 0.8)),
 ]
 
 
@@ -124,6 +128,18 @@ def make_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...]:
                 x[row, 1:] = float("-inf")
             else:
                 x[row] = float("-inf")
+    elif case.values == "nan":
+        for row in range(0, case.rows, 2):
+            pattern = row // 2 % 4
+            if pattern == 0:
+                x[row, 7] = float("nan")
+            elif pattern == 1:
+                x[row] = float("nan")
+            elif pattern == 2:
+                x[row, ::2] = float("nan")
+                x[row, 1::3] = float("inf")
+            else:
+                x[row, 3] = float("inf")
     elif case.values == "huge":
         x[:, ::97] = -1e30
         x[:, 5::101] = 1e4 * torch.sign(torch.randn(x[:, 5::101].shape, generator=gen))
@@ -158,10 +174,13 @@ def compare(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, got: torch.Tensor
 ) -> dict[str, object]:
     """The kept tokens are a prefix of the order (logit descending, index ascending) of a
-    length that float64 allows; and how many rows differ from the float32 sort's."""
+    length that float64 allows; and how many rows differ from the float32 sort's. Rows with
+    NaN or +inf logits, whose cut is unspecified, are left out."""
     from cbpipe.worker.sampler import top_k_top_p_reference
 
     x, got = logits.float().cpu(), got.cpu()
+    clean = ~(x.isnan() | (x == float("inf"))).any(-1)
+    x, got, top_k, top_p = x[clean], got[clean], top_k.cpu()[clean], top_p.cpu()[clean]
     kept = got > float("-inf")
     order = x.sort(dim=-1, descending=True, stable=True).indices
     wrong = []
@@ -172,9 +191,10 @@ def compare(
         prefix[order[row, :n]] = True
         if not (fewest <= n <= most and torch.equal(kept[row], prefix)):
             wrong.append((row, n, fewest, most))
-    sort_kept = top_k_top_p_reference(x, top_k.cpu(), top_p.cpu()) > float("-inf")
+    sort_kept = top_k_top_p_reference(x, top_k, top_p) > float("-inf")
     return {
         "shape_ok": got.shape == x.shape and got.dtype == torch.float32,
+        "clean_rows": int(clean.sum()),
         "values_kept": bool(torch.equal(got[kept], x[kept])),
         "wrong_rows": wrong,
         "rows_unlike_the_sort": int((kept != sort_kept).any(-1).sum()),

@@ -103,10 +103,14 @@ def _suffix(row_ptr, vocab, pivot, row_max, MASS: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK: tl.constexpr):
+def _gather(
+    row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi,
+    BLOCK: tl.constexpr, CAP: tl.constexpr,
+):  # fmt: skip
     """Store the key and index of every token whose key lies in ``[lo, hi)`` into scratch, in
-    no particular order: each takes its slot from an atomic counter, so the pass has no scan
-    (a scan a step cost as much as a dozen plain passes)."""
+    no particular order: each takes its slot from an atomic counter, so the pass has no scan.
+    The caller's count says at most ``CAP`` tokens lie there; past ``CAP`` nothing is stored
+    all the same, since NaN logits make the counts disagree with the keys."""
     tl.store(counter_ptr, 0)
     tl.debug_barrier()
     lanes = tl.arange(0, BLOCK)
@@ -117,8 +121,9 @@ def _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK: tl.
         key = _key(x)
         inside = (key >= lo) & (key < hi) & (idx < vocab)
         slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed", scope="cta")
-        tl.store(keys_ptr + slot, key, mask=inside)
-        tl.store(index_ptr + slot, idx, mask=inside)
+        fits = inside & (slot < CAP)
+        tl.store(keys_ptr + slot, key, mask=fits)
+        tl.store(index_ptr + slot, idx, mask=fits)
     tl.debug_barrier()  # the scratch is read back by other threads
 
 
@@ -225,7 +230,7 @@ def _search(
         # Gather the keys between the bounds into scratch, then bisect those in registers:
         # each step splits the candidates left between the bounds by a pivot among their own
         # keys, until one key is left, the boundary's.
-        _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK)
+        _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK, CAP)
         valid = tl.arange(0, CAP) < between
         keys = tl.load(keys_ptr + tl.arange(0, CAP), mask=valid, other=0)
         weights = tl.where(valid, _weight(_value(keys), row_max), 0.0)
