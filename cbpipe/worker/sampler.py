@@ -276,8 +276,8 @@ def _apply_top_k_top_p(
 
     On CUDA a kernel that finds each row's cut by bisection instead of sorting the row
     (``kernels/truncation.py``: a sort of 128 k logits a row was most of a sampled step's
-    cost); elsewhere ``top_k_top_p_reference``, which it equals but for rows whose running
-    mass lands within float32 rounding of ``top_p``.
+    cost); elsewhere ``top_k_top_p_reference``. Both keep the same tokens but where float32
+    rounding of the running mass decides: on a flat row of many tokens, a few at the cut.
     """
     if logits.is_cuda:
         from cbpipe.worker.kernels.truncation import top_k_top_p_triton

@@ -419,6 +419,7 @@ def top_k_top_p_triton(
             raise ValueError(f"{name} must be a power of two of at least 2, got {size}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    top_k, top_p = top_k.contiguous(), top_p.contiguous()  # the kernel reads them by row
     out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
     if rows == 0 or vocab == 0:
         return out
