@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.unit.triton_interpreter import (
+    bounds_from_data,
     check_each,
     emit,
     needs_cuda,
@@ -233,6 +234,8 @@ def test_triton_is_importable() -> None:
     require_triton()
 
 
+# Its passes loop to the vocabulary, an argument the interpreter hands over as a tensor.
+@bounds_from_data
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_interpreter_matches_the_sort(case: Case, interpreter_results: dict[str, Any]) -> None:
     assert_result(case, interpreter_results[case.name])
