@@ -46,7 +46,7 @@ class Case:
     # but must end and leave the clean rows beside it alone;
     # "randn": N(0, 3); "bf16": the same rounded to bfloat16 (ties by the dozen); "flat":
     # N(0, 0.01) (every token near every other); "tie-block": a block of 3/5 of the row at one
-    # value near the top, more than the sort holds; "neg-inf": -inf scattered, most of a row,
+    # value near the top, more than the registers hold; "neg-inf": -inf scattered, most of a row,
     # all but one, all; "huge": a few logits at -1e30 and +-1e4 beside N(0, 3).
     values: str = "randn"
     # Per row in turn (0 and 1 keep all).
