@@ -339,7 +339,7 @@ def main() -> None:
         clients_s = time.process_time() - published
         if args.gc == "paced":
             collector.between_steps()
-        kind = "decode-only" if packed.num_single_token_seqs == packed.num_seqs else "with prefill"
+        kind = "decode-only" if packed.is_decode_only else "with prefill"
         cpu_ms[kind].append(elapsed * 1e3)
         # A full engine: comparable steps (a constrained request waiting for its token is
         # running but not in the step).

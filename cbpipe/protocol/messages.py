@@ -267,6 +267,12 @@ class Step(Message):
     # Structured output's token masks in the slot's extras, applied before the bias entries.
     num_token_masks: int = 0
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence has one query token: the decode graphs' steps; the others are
+        prefill chunks, alone or beside decodes."""
+        return self.num_single_token_seqs == self.num_seqs
+
 
 @dataclass(frozen=True)
 class StepDone(Message):

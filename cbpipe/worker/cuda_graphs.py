@@ -314,7 +314,7 @@ class DecodeGraphs:
         ``truncation``: some sequence of a FULL step has top-k or top-p (the worker reads it
         from the slot; the step message does not say).
         """
-        if not self._graphs or step.num_single_token_seqs != step.num_seqs:
+        if not self._graphs or not step.is_decode_only:
             return None
         if step.prompt_logprobs:
             return None

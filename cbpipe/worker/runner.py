@@ -93,7 +93,7 @@ _WIDTH = HEADER_FIELDS.index("block_table_width")
 def _graph_hands_off_logits(step: Step) -> bool:
     """Whether the graph that runs ``step`` leaves its sampling to an eager full sampler: a
     mixed step's that samples FULL (``LOGITS_HANDOFF``); the decode graphs sample every mode."""
-    return step.sampling is SamplingMode.FULL and step.num_single_token_seqs < step.num_seqs
+    return step.sampling is SamplingMode.FULL and not step.is_decode_only
 
 
 @dataclass
@@ -699,7 +699,7 @@ class StepRunner:
         return self._find_graph(step, self._step_facts(step, self.slots[step.slot]))
 
     def _find_graph(self, step: Step, facts: StepFacts) -> Replayable | None:
-        if step.num_single_token_seqs == step.num_seqs:
+        if step.is_decode_only:
             return self.graphs.find(step, truncation=facts.truncation)
         if not len(self.mixed_graphs):
             return None
@@ -869,8 +869,7 @@ class StepRunner:
         inputs, t, s = slot.inputs, step.num_tokens, step.num_seqs
         positions = inputs.positions[:t]
         if not step.prompt_logprobs:
-            decode_only = step.num_single_token_seqs == s
-            logits_rows = 0 if decode_only else inputs.query_start[1 : s + 1].long() - 1
+            logits_rows = 0 if step.is_decode_only else inputs.query_start[1 : s + 1].long() - 1
             return self._forward(input_ids, positions, paged, logits_rows)
         assert seq_of_row is not None
         kept, last = self._prompt_logits_rows(inputs, seq_of_row, s, facts.num_logits_rows)
