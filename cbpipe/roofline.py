@@ -87,3 +87,17 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return 2 * nbytes / best
+
+
+def graph_replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
+    """The device time of each of ``iters`` replays of ``graph``, in milliseconds by CUDA
+    events, one replay at a time: what the benchmarks' medians are taken of."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times

@@ -426,16 +426,9 @@ LayerKind = Callable[[LayerWeights, Activations, Attend | None], None]
 
 def graph_us(fn: Callable[[], None], repeats: int = 15) -> float:
     """The median of ``repeats`` replays of ``fn`` captured in one CUDA graph, in us."""
-    graph = captured(fn)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    from cbpipe.roofline import graph_replay_ms
+
+    return statistics.median(graph_replay_ms(captured(fn), repeats)) * 1000
 
 
 def kernel_breakdown(fn: Callable[[], None], layers: int) -> list[tuple[str, float, float]]:

@@ -77,6 +77,8 @@ def time_product(
     rows: int, shape: tuple[int, int], dtype: torch.dtype, iters: int, product: Product = F.linear
 ) -> float:
     """Median seconds of one ``product(x, w)`` of ``rows`` rows by a weight of ``shape``."""
+    from cbpipe.roofline import graph_replay_ms
+
     out_features, in_features = shape
     weight_bytes = out_features * in_features * dtype.itemsize
     copies = max(2, min(64, -(-L2_BYTES_TO_EXCEED // weight_bytes)))
@@ -89,14 +91,7 @@ def time_product(
     with torch.cuda.graph(graph):
         for w in weights:
             product(x, w)
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / copies)
+    samples = [ms / 1e3 / copies for ms in graph_replay_ms(graph, iters)]
     del graph, weights
     torch.cuda.empty_cache()
     return statistics.median(samples)

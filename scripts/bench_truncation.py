@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from cbpipe.roofline import graph_replay_ms
 from cbpipe.worker.kernels import truncation
 from cbpipe.worker.sampler import FullSamplingInputs, sample_full, top_k_top_p_reference
 
@@ -45,15 +46,7 @@ def graph_time(iters: int, fn: Callable[..., object], *args: object) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(*args)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(graph_replay_ms(graph, iters))
 
 
 def make_logits(kind: str, rows: int, vocab: int) -> torch.Tensor:
