@@ -101,3 +101,31 @@ def graph_replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    name: str
+    us: float  # the kernel's device time
+    gap_us: float  # from its end to the next kernel's start (0 for the last)
+
+
+def graph_kernels(graph: torch.cuda.CUDAGraph) -> list[KernelTime]:
+    """Each kernel of one replay of ``graph`` in launch order, as the profiler saw it."""
+    from torch.autograd import DeviceType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    return [
+        KernelTime(
+            event.name,
+            event.time_range.end - event.time_range.start,
+            next_event.time_range.start - event.time_range.end if next_event else 0.0,
+        )
+        for event, next_event in zip(events, [*events[1:], None], strict=True)
+    ]

@@ -434,30 +434,21 @@ def graph_us(fn: Callable[[], None], repeats: int = 15) -> float:
 def kernel_breakdown(fn: Callable[[], None], layers: int) -> list[tuple[str, float, float]]:
     """Each kernel of a layer in ``fn``'s graph, as the profiler saw one replay: (name, its
     time, the gap before the next kernel), in us, averaged over the layers by position."""
-    from torch.autograd import DeviceType
+    from cbpipe.roofline import graph_kernels
 
-    graph = captured(fn)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
-    )
+    kernels = graph_kernels(captured(fn))
     if not kernels or len(kernels) % layers:
         raise RuntimeError(f"the profiler saw {len(kernels)} kernels for {layers} layers")
     per_layer = len(kernels) // layers
-    rows = []
-    for position in range(per_layer):
-        busy = gap = 0.0
-        for layer in range(layers):
-            index = layer * per_layer + position
-            kernel = kernels[index]
-            busy += kernel.time_range.end - kernel.time_range.start
-            if index + 1 < len(kernels):
-                gap += kernels[index + 1].time_range.start - kernel.time_range.end
-        rows.append((kernels[position].name, busy / layers, gap / layers))
-    return rows
+    by_position = [kernels[position::per_layer] for position in range(per_layer)]
+    return [
+        (
+            same_place[0].name,
+            sum(k.us for k in same_place) / layers,
+            sum(k.gap_us for k in same_place) / layers,
+        )
+        for same_place in by_position
+    ]
 
 
 def self_check() -> None:

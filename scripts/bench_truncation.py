@@ -1,7 +1,8 @@
 """Top-k/top-p truncation on the GPU: the Triton kernel against the stable sort it replaced.
 
     python scripts/bench_truncation.py [--rows 1,32,64,256] [--vocab 128256] [--iters 50]
-                                       [--launch BLOCKxWARPS,...] [--no-sampler] [--json PATH]
+                                       [--launch BLOCKxWARPS,...] [--no-sampler] [--kernels]
+                                       [--json PATH]
 
 Two kinds of rows, both bf16-rounded logits upcast to float32 as a model's are:
 
@@ -15,28 +16,31 @@ replays of a CUDA graph holding one call (so launch overhead is not counted), by
 Then, unless ``--no-sampler``, the compiled full sampler (``sample_full`` at Llama 3's
 generation config, temperature 0.6 and top-p 0.9, as the worker's graphs run it) on peaked
 rows, with the truncation from the kernel and from the sort. Each truncation case also
-reports how many rows keep the same tokens both ways. First, ``--launch 2048x8,8192x16``
-times the kernel at each of those pass widths and warp counts (the module's ``_BLOCK`` and
-``_NUM_WARPS``) in turn, with rows at top-p 1 beside (``keep-all``: no search, the first
-pass and the write alone), and the rest runs at the last of them.
+reports how many rows keep the same tokens both ways; ``--kernels`` lists the compiled
+sampler's kernels at each row count (one replay, from the profiler), with the kernel.
+First, ``--launch 2048x8,8192x16`` times the kernel at each of those pass widths and warp
+counts (the module's ``_BLOCK`` and ``_NUM_WARPS``) in turn, with rows at top-p 1 beside
+(``keep-all``: no search, the first pass and the write alone), and the rest runs at the last
+of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from collections.abc import Callable
 
 import torch
 
-from cbpipe.roofline import graph_replay_ms
+from cbpipe.roofline import graph_kernels, graph_replay_ms
 from cbpipe.worker.kernels import truncation
 from cbpipe.worker.sampler import FullSamplingInputs, sample_full, top_k_top_p_reference
 
 
-def graph_time(iters: int, fn: Callable[..., object], *args: object) -> float:
-    """Median milliseconds of one replay of a graph holding ``fn(*args)``."""
+def captured(fn: Callable[..., object], *args: object) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding one call of ``fn(*args)``, warmed (and compiled) outside it."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -46,7 +50,12 @@ def graph_time(iters: int, fn: Callable[..., object], *args: object) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(*args)
-    return statistics.median(graph_replay_ms(graph, iters))
+    return graph
+
+
+def graph_time(iters: int, fn: Callable[..., object], *args: object) -> float:
+    """Median milliseconds of one replay of a graph holding ``fn(*args)``."""
+    return statistics.median(graph_replay_ms(captured(fn, *args), iters))
 
 
 def make_logits(kind: str, rows: int, vocab: int) -> torch.Tensor:
@@ -78,6 +87,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--launch", default="", help="BLOCKxWARPS,...: kernel settings to sweep")
     parser.add_argument("--no-sampler", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="the sampler's kernels, profiled")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = []
@@ -146,6 +156,14 @@ def main() -> None:
                                 sort_ms=timings["sort"]))  # fmt: skip
             print(f"{'':22} {rows:>5} {timings['kernel']:9.3f} {timings['sort']:8.3f}",
                   flush=True)  # fmt: skip
+            if args.kernels:
+                kernels = graph_kernels(captured(compiled, *call))
+                results.append(dict(kind="sample_full_kernels", rows=rows,
+                                    kernels=[dataclasses.asdict(k) for k in kernels]))  # fmt: skip
+                for k in kernels:
+                    print(f"{'':6} {k.us:7.1f} us  gap {k.gap_us:5.1f}  {k.name[:90]}")
+                print(f"{'':6} {sum(k.us for k in kernels):7.1f} us in {len(kernels)} kernels, "
+                      f"gaps {sum(k.gap_us for k in kernels):.1f} us", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -67,6 +67,7 @@
 #            stable sort it replaced, peaked and flat rows at TRUNCATION_ROWS, then the
 #            compiled full sampler both ways; TRUNCATION_LAUNCH=2048x8,8192x16 first sweeps
 #            the kernel's pass width and warps), then the kernel's GPU tests        (~2 min)
+#            (TRUNCATION_KERNELS=1: the compiled sampler's kernels too, profiled)
 #   sampling the decode step per sampling preset (greedy, plain temperature, the full sampler
 #            with top-k/top-p/min_p without and with the top 20 alternatives, penalties,
 #            greedy with 5 alternatives) from CUDA graphs: random:llama-8b x32 (context 4096)
@@ -618,7 +619,7 @@ fi
 if want truncation; then
     {
         section "top-k/top-p truncation: the kernel against the sort"
-        timeout -k 10 300 "$PY" scripts/bench_truncation.py --rows "${TRUNCATION_ROWS:-1,32,64,256}" \
+        timeout -k 10 300 "$PY" scripts/bench_truncation.py --rows "${TRUNCATION_ROWS:-1,32,64,256}" ${TRUNCATION_KERNELS:+--kernels} \
             ${TRUNCATION_LAUNCH:+--launch "$TRUNCATION_LAUNCH"} --json "$OUT/truncation.json" 2>&1
         echo "exit code ${PIPESTATUS[0]}"
         section "truncation kernel GPU tests"
