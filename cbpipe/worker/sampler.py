@@ -8,8 +8,9 @@ alternatives). ``sample_full`` of a row that uses none of its processing draws e
 
 Randomness comes from a counter-based hash of ``(seed, output_index, token_id)`` rather than a
 generator with state, so a request's draw for its i-th output token is the same whatever else
-shares its batch, in sync and async mode, and on any device. The hash is computed in int64
-with 32-bit values and multipliers below 2**31, so no product overflows.
+shares its batch, in sync and async mode, and on any device. Each row's key is mixed in int64
+(32-bit values, multipliers below 2**31: no product overflows), each token's draw in int32
+with the same bits (products wrapping modulo 2**32, shifts masked to a logical shift's).
 """
 
 from __future__ import annotations
@@ -317,6 +318,7 @@ def top_k_top_p_reference(
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The hash's mixing step on 32-bit values held in int64 (the per-row keys)."""
     x = x ^ (x >> 16)
     x = (x * _MUL1) & _MASK32
     x = x ^ (x >> 15)
@@ -324,15 +326,27 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_bits(x: torch.Tensor) -> torch.Tensor:
+    """``_mix32`` on the same 32 bits held in int32: products wrap modulo 2**32 as the
+    masked int64 ones are reduced, and each shift is masked to the bits a logical shift
+    keeps. Per token, where int64 arithmetic made the draws most of the sampler's time."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MUL1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MUL2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
 def _uniform(seed: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[num_seqs, vocab]`` floats in (0, 1), a pure function of seed, index and token id."""
     seed = seed.long()
     key = _mix32((seed & _MASK32) ^ _mix32((seed >> 32) & _MASK32))
-    key = _mix32(key ^ _mix32(output_index.long() & _MASK32))  # [S]
-    token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    x = _mix32(key[:, None] ^ ((token * _TOKEN_MUL) & _MASK32)[None, :])
-    x = _mix32(x ^ key[:, None])
+    key = _mix32(key ^ _mix32(output_index.long() & _MASK32))  # [S], below 2**32
+    key = torch.where(key >= 1 << 31, key - (1 << 32), key).to(torch.int32)[:, None]
+    token = torch.arange(vocab, device=seed.device, dtype=torch.int32) * _TOKEN_MUL
+    x = _mix32_bits(key ^ token[None, :])
+    x = _mix32_bits(x ^ key)
     # 23 random bits, centred in their interval so 0 and 1 never occur: k + 0.5 for k below
     # 2**23 is exact in float32, where with 24 bits 2**24 - 0.5 rounded up to 2**24 and u to
     # 1, whose Gumbel noise of +inf drew a token whatever its logit, a masked one included.
-    return ((x >> 9).float() + 0.5) / float(1 << 23)
+    return (((x >> 9) & 0x7FFFFF).float() + 0.5) / float(1 << 23)

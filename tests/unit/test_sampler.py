@@ -3,6 +3,7 @@ import torch
 
 from cbpipe.worker import sampler
 from cbpipe.worker.sampler import SamplingInputs, sample
+from tests.unit.triton_interpreter import needs_cuda
 
 
 def inputs(
@@ -75,6 +76,50 @@ def test_log_probabilities_survive_a_piece_of_minus_infinity() -> None:
         assert bool((ids >= 1024).all())
         expected = logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
         assert torch.allclose(logprobs, expected, atol=1e-5)
+
+
+def _uniform_int64(seed: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draws as first written: every step of the hash in int64, masked to 32 bits."""
+    mask = 0xFFFFFFFF
+
+    def mix(x: torch.Tensor) -> torch.Tensor:
+        x = x ^ (x >> 16)
+        x = (x * sampler._MUL1) & mask
+        x = x ^ (x >> 15)
+        x = (x * sampler._MUL2) & mask
+        return x ^ (x >> 16)
+
+    seed = seed.long()
+    key = mix((seed & mask) ^ mix((seed >> 32) & mask))
+    key = mix(key ^ mix(output_index.long() & mask))
+    token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    x = mix(key[:, None] ^ ((token * sampler._TOKEN_MUL) & mask)[None, :])
+    x = mix(x ^ key[:, None])
+    return ((x >> 9).float() + 0.5) / float(1 << 23)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])],
+)
+def test_the_draws_in_int32_are_the_int64_hash_bit_for_bit(device: str) -> None:
+    """The per-token hash runs in int32 (wrapping products, masked shifts) for speed; a
+    seeded request's tokens are fixed by the int64 definition, on every device, eager and
+    compiled. Seeds across the whole int64 range (negative ones, whose high word has its top
+    bit set) and output indices whose keys land on both sides of 2**31."""
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (96,), generator=gen),
+            torch.tensor([0, 1, -1, 121, 2**63 - 1, -(2**63), 2**32 - 1, 2**31]),
+        ]
+    ).to(device)
+    index = torch.randint(0, 2**31 - 1, (seeds.numel(),), generator=gen, dtype=torch.int32)
+    index = index.to(device)
+    want = _uniform_int64(seeds, index, 128_256)
+    assert torch.equal(sampler._uniform(seeds, index, 128_256), want)
+    compiled = torch.compile(sampler._uniform, dynamic=True)
+    assert torch.equal(compiled(seeds, index, 128_256), want)
 
 
 def test_the_uniform_draws_never_reach_0_or_1() -> None:
