@@ -43,6 +43,15 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
     if inputs.all_greedy:  # the logits as the model gave them: the kernel reads bf16 itself
         ids, logprobs = torch.ops.cbpipe.greedy_sample(logits)
         return ids, logprobs
+    if logits.is_cuda:
+        return sample_kernels(logits, inputs)
+    return sample_reference(logits, inputs)
+
+
+def sample_reference(
+    logits: torch.Tensor, inputs: SamplingInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample``'s sampled rows in plain torch: what the CUDA kernels are held to."""
     logits = logits.float()  # [num_seqs, vocab]
     pieces = _pieces(logits)
     piece_max, row_max, greedy = _max_and_argmax(pieces)
@@ -57,6 +66,19 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
     # log p = logit - logsumexp, the logsumexp from the same pieces as the maximum, instead of
     # a whole log-softmax written out and gathered from.
     return ids, chosen - _logsumexp(pieces, piece_max, row_max)
+
+
+def sample_kernels(
+    logits: torch.Tensor, inputs: SamplingInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` through the kernels ``sample_full`` runs, without their processing: a row
+    draws the same token either way."""
+    keys = _row_keys(inputs.seed, inputs.output_index)
+    scaled, stats = torch.ops.cbpipe.sample_prepare(logits, inputs.temperature, [])
+    ids, logprobs, _ = torch.ops.cbpipe.sample_draw(
+        logits, scaled, stats, inputs.temperature, keys, None
+    )
+    return ids, logprobs
 
 
 @dataclass
@@ -95,12 +117,54 @@ def sample_full(
     ``sample``; greedy rows take the argmax of the processed logits. Log-probabilities are
     those of the raw logits.
 
+    On CUDA two passes over the vocabulary in Triton (``kernels/full_sample.py``), around
+    the top-k/top-p op; elsewhere ``sample_full_reference``, which defines the result.
+
     The top alternatives are the caller's, from ``top_alternatives(logits.float(), lse)``
     after this returns: a flag read here would be a guard, and dynamo would trace this
     function once more for each of its values, at every start-up.
 
-    Pure (the state tensors are only read), so ``torch.compile`` fuses the element-wise chain.
+    Pure (the state tensors are only read), so ``torch.compile`` fuses what is left around
+    the kernels' ops.
     """
+    if logits.is_cuda:
+        return sample_full_kernels(logits, bias, output_counts, seen, inputs)
+    return sample_full_reference(logits, bias, output_counts, seen, inputs)
+
+
+def sample_full_kernels(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    output_counts: torch.Tensor,
+    seen: torch.Tensor,
+    inputs: FullSamplingInputs,
+) -> FullSample:
+    """``sample_full`` through the kernels' ops (which run on CPU tensors too, under Triton's
+    interpreter: the tests)."""
+    state = [
+        bias, output_counts, seen, inputs.rows, inputs.presence_penalty,
+        inputs.frequency_penalty, inputs.repetition_penalty,
+    ]  # fmt: skip
+    keys = _row_keys(inputs.seed, inputs.output_index)
+    scaled, stats = torch.ops.cbpipe.sample_prepare(logits, inputs.temperature, state)
+    min_p = inputs.min_p
+    if inputs.truncation:  # top-k and top-p see what min-p keeps
+        torch.ops.cbpipe.apply_min_p_(scaled, stats, min_p)
+        scaled, min_p = _apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p), None
+    ids, logprobs, lse = torch.ops.cbpipe.sample_draw(
+        logits, scaled, stats, inputs.temperature, keys, min_p
+    )
+    return FullSample(ids, logprobs, lse)
+
+
+def sample_full_reference(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    output_counts: torch.Tensor,
+    seen: torch.Tensor,
+    inputs: FullSamplingInputs,
+) -> FullSample:
+    """``sample_full`` in plain torch: what the CUDA kernels are held to."""
     x = logits.float()  # [num_seqs, vocab]
     pieces = _pieces(x)
     piece_max, row_max, _ = _max_and_argmax(pieces)
@@ -337,12 +401,18 @@ def _mix32_bits(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def _uniform(seed: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[num_seqs, vocab]`` floats in (0, 1), a pure function of seed, index and token id."""
+def _row_keys(seed: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
+    """Each row's draw key, ``[num_seqs]`` int32 holding 32 hashed bits of its seed and
+    output index."""
     seed = seed.long()
     key = _mix32((seed & _MASK32) ^ _mix32((seed >> 32) & _MASK32))
-    key = _mix32(key ^ _mix32(output_index.long() & _MASK32))  # [S], below 2**32
-    key = torch.where(key >= 1 << 31, key - (1 << 32), key).to(torch.int32)[:, None]
+    key = _mix32(key ^ _mix32(output_index.long() & _MASK32))  # below 2**32
+    return torch.where(key >= 1 << 31, key - (1 << 32), key).to(torch.int32)
+
+
+def _uniform(seed: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[num_seqs, vocab]`` floats in (0, 1), a pure function of seed, index and token id."""
+    key = _row_keys(seed, output_index)[:, None]
     token = torch.arange(vocab, device=seed.device, dtype=torch.int32) * _TOKEN_MUL
     x = _mix32_bits(key ^ token[None, :])
     x = _mix32_bits(x ^ key)
@@ -350,3 +420,74 @@ def _uniform(seed: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torc
     # 2**23 is exact in float32, where with 24 bits 2**24 - 0.5 rounded up to 2**24 and u to
     # 1, whose Gumbel noise of +inf drew a token whatever its logit, a masked one included.
     return (((x >> 9) & 0x7FFFFF).float() + 0.5) / float(1 << 23)
+
+
+# The sampled rows' passes on CUDA (``kernels/full_sample.py``), as ops inductor leaves whole.
+@torch.library.custom_op("cbpipe::sample_prepare", mutates_args=())
+def _sample_prepare(
+    logits: torch.Tensor, temperature: torch.Tensor, state: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processed logits over the temperature (float32) and each piece's figures.
+    ``state``: ``[bias, output_counts, seen, rows, presence, frequency, repetition]``, or
+    empty for rows without processing."""
+    from cbpipe.worker.kernels.full_sample import prepare_triton
+
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return prepare_triton(logits, temperature, tuple(state) if state else None)
+
+
+@_sample_prepare.register_fake
+def _sample_prepare_shape(
+    logits: torch.Tensor, temperature: torch.Tensor, state: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from cbpipe.worker.kernels.full_sample import num_pieces
+
+    rows, vocab = logits.shape
+    return (
+        logits.new_empty((rows, vocab), dtype=torch.float32),
+        logits.new_empty((5, rows, num_pieces(vocab)), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("cbpipe::apply_min_p_", mutates_args=("scaled",))
+def _apply_min_p_in_place(scaled: torch.Tensor, stats: torch.Tensor, min_p: torch.Tensor) -> None:
+    """``apply_min_p`` on ``sample_prepare``'s output, in place."""
+    from cbpipe.worker.kernels.full_sample import apply_min_p_triton
+
+    apply_min_p_triton(scaled, stats, min_p)
+
+
+@torch.library.custom_op("cbpipe::sample_draw", mutates_args=())
+def _sample_draw(
+    logits: torch.Tensor,
+    scaled: torch.Tensor,
+    stats: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    min_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's token, its raw log-probability and the raw logsumexp; min-p applied first
+    when given."""
+    from cbpipe.worker.kernels.full_sample import draw_triton
+
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return draw_triton(logits, scaled, stats, temperature, keys, min_p)
+
+
+@_sample_draw.register_fake
+def _sample_draw_shape(
+    logits: torch.Tensor,
+    scaled: torch.Tensor,
+    stats: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    min_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = logits.shape[0]
+    return (
+        logits.new_empty(rows, dtype=torch.int64),
+        logits.new_empty(rows, dtype=torch.float32),
+        logits.new_empty(rows, dtype=torch.float32),
+    )

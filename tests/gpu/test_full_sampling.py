@@ -162,13 +162,13 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
     batch: int,
 ) -> None:
     """``torch.compile`` of the full sampler as the decode graphs run it (dynamic shapes,
-    the runner's options), at Llama 3's 128,256 tokens, both variants, and the top
-    alternatives from its ``lse``. The engine tests' small vocabularies never met what
+    the runner's options: the kernels' ops), at Llama 3's 128,256 tokens, both variants,
+    against the plain-torch reference run eagerly, and the top alternatives from its ``lse``. The engine tests' small vocabularies never met what
     inductor does with a row that long: a split scan for top-p's running mass, whose code
     generation failed at start-up of every 8B and 1B engine once the compiled path became
     the default."""
     from cbpipe.worker.compiling import compile_decode_fn
-    from cbpipe.worker.sampler import sample_full, top_alternatives
+    from cbpipe.worker.sampler import sample_full, sample_full_reference, top_alternatives
     from tests.unit.test_full_sampler import full_inputs
 
     # Dynamo keeps at most 8 compiled variants of a function per process and runs it eagerly
@@ -188,7 +188,7 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
             presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1,
             output_index=4, truncation=truncation,
         )  # fmt: skip
-        eager = sample_full(logits, bias, counts, seen, inputs)
+        eager = sample_full_reference(logits, bias, counts, seen, inputs)
         result = compiled(logits, bias, counts, seen, inputs)
         same = (result.ids == eager.ids).float().mean().item()
         assert same >= 0.95, (truncation, same)  # ties may round apart
