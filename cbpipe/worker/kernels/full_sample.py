@@ -15,7 +15,7 @@ logits its kernels besides top-k/top-p took 0.27 ms, where their bytes take unde
   and sum of ``exp(x - max)`` (the logsumexp), the processed logits' maximum and its first
   index (a greedy row's token), and the scaled row's maximum (min-p's reference).
 * ``apply_min_p_``: in place on ``scaled``, only where top-k/top-p follow (they must see the
-  min-p cut); a row with ``min_p`` 0 returns at once.
+  min-p cut), one program a row; a row with ``min_p`` 0 returns at once.
 * ``draw``: one program per (row, piece) again, the seeded noise added to ``scaled`` (min-p
   applied on the way when no truncation ran), each piece's maximum and first index; then one
   program per row merges every piece's figures into the token (greedy rows the processed
@@ -170,21 +170,21 @@ def _min_p_kernel(
     stats_ptr,
     min_p_ptr,
     rows,
+    pieces,
     vocab,
-    tiles_per_piece,
     TILE: tl.constexpr,
     PIECES_PAD: tl.constexpr,
 ):
+    # One program a whole row: most rows have no min-p and return at once, where a program
+    # per piece cost a launch of rows x pieces empty programs (10 us at 256 rows).
     row = tl.program_id(0)
     min_p = tl.load(min_p_ptr + row)
     if min_p > 0.0:
-        row_max = _row_scaled_max(stats_ptr, row, rows, tl.num_programs(1), PIECES_PAD)
-        start = tl.program_id(1) * tiles_per_piece * TILE
-        end = tl.minimum(start + tiles_per_piece * TILE, vocab)
+        row_max = _row_scaled_max(stats_ptr, row, rows, pieces, PIECES_PAD)
         out_row = scaled_ptr + row.to(tl.int64) * vocab
-        for t in range(tiles_per_piece):
-            idx = start + t * TILE + tl.arange(0, TILE)
-            inside = idx < end
+        for start in range(0, vocab, TILE):
+            idx = start + tl.arange(0, TILE)
+            inside = idx < vocab
             scaled = tl.load(out_row + idx, mask=inside, other=float("-inf"))
             drop = tl.exp(scaled - row_max) < min_p  # sampler.apply_min_p's test
             tl.store(out_row + idx, float("-inf"), mask=inside & drop)
@@ -325,9 +325,9 @@ def apply_min_p_triton(
     rows, vocab = scaled.shape
     pieces = stats.shape[2]
     if rows:
-        _min_p_kernel[(rows, pieces)](
-            scaled, stats, min_p, rows, vocab, _tiles_per_piece(vocab, pieces, tile),
-            TILE=tile, PIECES_PAD=MAX_PIECES, num_warps=_NUM_WARPS,
+        _min_p_kernel[(rows,)](
+            scaled, stats, min_p, rows, pieces, vocab, TILE=tile, PIECES_PAD=MAX_PIECES,
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 
