@@ -1,7 +1,8 @@
 """Top-k/top-p truncation on the GPU: the Triton kernel against the stable sort it replaced.
 
     python scripts/bench_truncation.py [--rows 1,32,64,256] [--vocab 128256] [--iters 50]
-                                       [--launch BLOCKxWARPS,...] [--no-sampler] [--kernels]
+                                       [--launch BLOCKxWARPS[xSTAGES],...] [--no-sampler]
+                                       [--kernels]
                                        [--json PATH]
 
 Two kinds of rows, both bf16-rounded logits upcast to float32 as a model's are:
@@ -13,15 +14,17 @@ Two kinds of rows, both bf16-rounded logits upcast to float32 as a model's are:
 
 Each at top-p 0.9 alone and at top-k 50 with top-p 0.9. Times are the median over ``--iters``
 replays of a CUDA graph holding one call (so launch overhead is not counted), by CUDA events.
-Then, unless ``--no-sampler``, the compiled full sampler (``sample_full`` at Llama 3's
-generation config, temperature 0.6 and top-p 0.9, as the worker's graphs run it) on peaked
-rows, with the truncation from the kernel and from the sort. Each truncation case also
+Then, unless ``--no-sampler``, the compiled samplers as the worker's graphs run them, on
+peaked rows: the full sampler (``sample_full`` at Llama 3's generation config, temperature
+0.6 and top-p 0.9) through its kernels, the same with top-p by the sort, and its plain-torch
+reference compiled by inductor; the temperature-only sampler (``sample``) through the same
+kernels and its plain-torch reference. Each truncation case also
 reports how many rows keep the same tokens both ways; ``--kernels`` lists the compiled
 sampler's kernels at each row count (one replay, from the profiler), with the kernel.
-First, ``--launch 2048x8,8192x16`` times the kernel at each of those pass widths and warp
-counts (the module's ``_BLOCK`` and ``_NUM_WARPS``) in turn, with rows at top-p 1 beside
-(``keep-all``: no search, the first pass and the write alone), and the rest runs at the last
-of them.
+First, ``--launch 2048x8,8192x16x3`` times the kernel at each of those pass widths, warp
+counts and pipeline stages (the module's ``_BLOCK``, ``_NUM_WARPS`` and ``_STAGES``) in
+turn, with rows at top-p 1 beside (``keep-all``: no search, the first pass and the write
+alone), and the rest runs at the last of them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,15 @@ import torch
 
 from cbpipe.roofline import graph_kernels, graph_replay_ms
 from cbpipe.worker.kernels import truncation
-from cbpipe.worker.sampler import FullSamplingInputs, sample_full, top_k_top_p_reference
+from cbpipe.worker.sampler import (
+    FullSamplingInputs,
+    SamplingInputs,
+    sample,
+    sample_full,
+    sample_full_reference,
+    sample_reference,
+    top_k_top_p_reference,
+)
 
 
 def captured(fn: Callable[..., object], *args: object) -> torch.cuda.CUDAGraph:
@@ -85,15 +96,19 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32,64,256")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--launch", default="", help="BLOCKxWARPS,...: kernel settings to sweep")
+    parser.add_argument("--launch", default="", help="BLOCKxWARPS[xSTAGES],...: to sweep")
     parser.add_argument("--no-sampler", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="the sampler's kernels, profiled")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = []
-    launches = [tuple(map(int, item.split("x"))) for item in args.launch.split(",") if item]
-    for block, warps in launches:
-        truncation._BLOCK, truncation._NUM_WARPS = block, warps
+    launches = [
+        (*map(int, item.split("x")), truncation._STAGES)[:3]
+        for item in args.launch.split(",")
+        if item
+    ]
+    for block, warps, stages in launches:
+        truncation._BLOCK, truncation._NUM_WARPS, truncation._STAGES = block, warps, stages
         for rows in (int(r) for r in args.rows.split(",")):
             # keep-all: top-p 1, so no search: the first pass and the write alone.
             for kind, p in (("peaked", 0.9), ("flat", 0.9), ("keep-all", 1.0)):
@@ -101,11 +116,12 @@ def main() -> None:
                 top_p = torch.full((rows,), p, device="cuda")
                 top_k = torch.zeros(rows, dtype=torch.int32, device="cuda")
                 ms = graph_time(args.iters, truncation.top_k_top_p_triton, logits, top_k, top_p)
-                results.append(dict(kind=kind, rows=rows, block=block, warps=warps, kernel_ms=ms))
-                print(f"launch {block}x{warps}: {kind:8} top-p {p} rows {rows:>4}: {ms:.3f} ms",
-                      flush=True)  # fmt: skip
+                results.append(dict(kind=kind, rows=rows, block=block, warps=warps,
+                                    stages=stages, kernel_ms=ms))  # fmt: skip
+                print(f"launch {block}x{warps}x{stages}: {kind:8} top-p {p} rows {rows:>4}: "
+                      f"{ms:.3f} ms", flush=True)  # fmt: skip
     if launches:
-        truncation._BLOCK, truncation._NUM_WARPS = launches[-1]
+        truncation._BLOCK, truncation._NUM_WARPS, truncation._STAGES = launches[-1]
     print(f"{'kind':7} {'top-k':>5} {'rows':>5} {'sort ms':>8} {'kernel ms':>9} {'x':>6} "
           f"{'same as sort':>12} {'kept p50':>8}")  # fmt: skip
     for rows in (int(r) for r in args.rows.split(",")):
@@ -134,8 +150,12 @@ def main() -> None:
     if not args.no_sampler:
         from cbpipe.worker.compiling import compile_decode_fn
 
-        print(f"\n{'compiled sample_full':22} {'rows':>5} {'kernel ms':>9} {'sort ms':>8}")
-        compiled = compile_decode_fn(sample_full)
+        print(f"\n{'compiled samplers':18} {'rows':>5} {'full ms':>8} {'w/ sort':>8} "
+              f"{'torch':>8} {'temp. ms':>8} {'torch':>8}")  # fmt: skip
+        full = compile_decode_fn(sample_full)
+        full_torch = compile_decode_fn(sample_full_reference)
+        plain = compile_decode_fn(sample)
+        plain_torch = compile_decode_fn(sample_reference)
         kernel = truncation.top_k_top_p_triton
         for rows in (int(r) for r in args.rows.split(",")):
             logits = make_logits("peaked", rows, args.vocab).bfloat16()
@@ -145,19 +165,26 @@ def main() -> None:
 
             inputs = llama3_sampling(rows)
             call = (logits, state, counts, seen, inputs)
-            timings = {}
-            for name, impl in (("kernel", kernel), ("sort", top_k_top_p_reference)):
-                truncation.top_k_top_p_triton = impl  # what the op calls on CUDA
-                try:
-                    timings[name] = graph_time(args.iters, compiled, *call)
-                finally:
-                    truncation.top_k_top_p_triton = kernel
-            results.append(dict(kind="sample_full", rows=rows, kernel_ms=timings["kernel"],
-                                sort_ms=timings["sort"]))  # fmt: skip
-            print(f"{'':22} {rows:>5} {timings['kernel']:9.3f} {timings['sort']:8.3f}",
-                  flush=True)  # fmt: skip
+            plain_call = (logits, SamplingInputs(
+                inputs.temperature, inputs.seed, inputs.output_index, all_greedy=False
+            ))  # fmt: skip
+            timings = {
+                "full_ms": graph_time(args.iters, full, *call),
+                "full_torch_ms": graph_time(args.iters, full_torch, *call),
+                "temperature_ms": graph_time(args.iters, plain, *plain_call),
+                "temperature_torch_ms": graph_time(args.iters, plain_torch, *plain_call),
+            }
+            truncation.top_k_top_p_triton = top_k_top_p_reference  # what the op calls on CUDA
+            try:
+                timings["full_sort_ms"] = graph_time(args.iters, full, *call)
+            finally:
+                truncation.top_k_top_p_triton = kernel
+            results.append(dict(kind="samplers", rows=rows, **timings))
+            print(f"{'':18} {rows:>5} {timings['full_ms']:8.3f} {timings['full_sort_ms']:8.3f} "
+                  f"{timings['full_torch_ms']:8.3f} {timings['temperature_ms']:8.3f} "
+                  f"{timings['temperature_torch_ms']:8.3f}", flush=True)  # fmt: skip
             if args.kernels:
-                kernels = graph_kernels(captured(compiled, *call))
+                kernels = graph_kernels(captured(full, *call))
                 results.append(dict(kind="sample_full_kernels", rows=rows,
                                     kernels=[dataclasses.asdict(k) for k in kernels]))  # fmt: skip
                 for k in kernels:
