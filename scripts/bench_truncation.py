@@ -1,8 +1,7 @@
 """Top-k/top-p truncation on the GPU: the Triton kernel against the stable sort it replaced.
 
     python scripts/bench_truncation.py [--rows 1,32,64,256] [--vocab 128256] [--iters 50]
-                                       [--launch BLOCKxWARPS[xSTAGES],...] [--no-sampler]
-                                       [--kernels]
+                                       [--launch BLOCKxWARPS,...] [--no-sampler] [--kernels]
                                        [--json PATH]
 
 Two kinds of rows, both bf16-rounded logits upcast to float32 as a model's are:
@@ -21,10 +20,10 @@ reference compiled by inductor; the temperature-only sampler (``sample``) throug
 kernels and its plain-torch reference. Each truncation case also
 reports how many rows keep the same tokens both ways; ``--kernels`` lists the compiled
 sampler's kernels at each row count (one replay, from the profiler), with the kernel.
-First, ``--launch 2048x8,8192x16x3`` times the kernel at each of those pass widths, warp
-counts and pipeline stages (the module's ``_BLOCK``, ``_NUM_WARPS`` and ``_STAGES``) in
-turn, with rows at top-p 1 beside (``keep-all``: no search, the first pass and the write
-alone), and the rest runs at the last of them.
+First, ``--launch 2048x8,8192x16`` times the kernel at each of those pass widths and warp
+counts (the module's ``_BLOCK`` and ``_NUM_WARPS``) in turn, with rows at top-p 1 beside
+(``keep-all``: no search, the first pass and the write alone), and the rest runs at the last
+of them.
 """
 
 from __future__ import annotations
@@ -96,19 +95,15 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32,64,256")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--launch", default="", help="BLOCKxWARPS[xSTAGES],...: to sweep")
+    parser.add_argument("--launch", default="", help="BLOCKxWARPS,...: kernel settings to sweep")
     parser.add_argument("--no-sampler", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="the sampler's kernels, profiled")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = []
-    launches = [
-        (*map(int, item.split("x")), truncation._STAGES)[:3]
-        for item in args.launch.split(",")
-        if item
-    ]
-    for block, warps, stages in launches:
-        truncation._BLOCK, truncation._NUM_WARPS, truncation._STAGES = block, warps, stages
+    launches = [tuple(map(int, item.split("x"))) for item in args.launch.split(",") if item]
+    for block, warps in launches:
+        truncation._BLOCK, truncation._NUM_WARPS = block, warps
         for rows in (int(r) for r in args.rows.split(",")):
             # keep-all: top-p 1, so no search: the first pass and the write alone.
             for kind, p in (("peaked", 0.9), ("flat", 0.9), ("keep-all", 1.0)):
@@ -116,12 +111,11 @@ def main() -> None:
                 top_p = torch.full((rows,), p, device="cuda")
                 top_k = torch.zeros(rows, dtype=torch.int32, device="cuda")
                 ms = graph_time(args.iters, truncation.top_k_top_p_triton, logits, top_k, top_p)
-                results.append(dict(kind=kind, rows=rows, block=block, warps=warps,
-                                    stages=stages, kernel_ms=ms))  # fmt: skip
-                print(f"launch {block}x{warps}x{stages}: {kind:8} top-p {p} rows {rows:>4}: "
-                      f"{ms:.3f} ms", flush=True)  # fmt: skip
+                results.append(dict(kind=kind, rows=rows, block=block, warps=warps, kernel_ms=ms))
+                print(f"launch {block}x{warps}: {kind:8} top-p {p} rows {rows:>4}: {ms:.3f} ms",
+                      flush=True)  # fmt: skip
     if launches:
-        truncation._BLOCK, truncation._NUM_WARPS, truncation._STAGES = launches[-1]
+        truncation._BLOCK, truncation._NUM_WARPS = launches[-1]
     print(f"{'kind':7} {'top-k':>5} {'rows':>5} {'sort ms':>8} {'kernel ms':>9} {'x':>6} "
           f"{'same as sort':>12} {'kept p50':>8}")  # fmt: skip
     for rows in (int(r) for r in args.rows.split(",")):

@@ -63,9 +63,6 @@ import triton.language as tl
 _BLOCK = 8192
 _CAP = 4096
 _NUM_WARPS = 16
-# Steps of a pass in flight at once: past 1, the loads of the next steps are issued
-# (asynchronous copies into shared memory) while this one is reduced.
-_STAGES = 1
 
 
 @triton.jit
@@ -89,15 +86,12 @@ def _weight(x, row_max):
 
 
 @triton.jit
-def _suffix(
-    row_ptr, vocab, pivot, row_max,
-    MASS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
+def _suffix(row_ptr, vocab, pivot, row_max, MASS: tl.constexpr, BLOCK: tl.constexpr):
     """How many tokens have a key of at least ``pivot``, and (with ``MASS``) their mass."""
     lanes = tl.arange(0, BLOCK)
     count = tl.zeros([BLOCK], dtype=tl.int32)
     mass = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+    for start in range(0, vocab, BLOCK):
         idx = start + lanes
         # Past the row: -inf, whose key is below any pivot (pivots lie above a finite logit).
         x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
@@ -111,7 +105,7 @@ def _suffix(
 @triton.jit
 def _gather(
     row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi,
-    BLOCK: tl.constexpr, CAP: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, CAP: tl.constexpr,
 ):  # fmt: skip
     """Store the key and index of every token whose key lies in ``[lo, hi)`` into scratch, in
     no particular order: each takes its slot from an atomic counter, so the pass has no scan.
@@ -121,7 +115,7 @@ def _gather(
     tl.debug_barrier()
     lanes = tl.arange(0, BLOCK)
     counter = counter_ptr + tl.zeros([BLOCK], dtype=tl.int32)
-    for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+    for start in range(0, vocab, BLOCK):
         idx = start + lanes
         x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
         key = _key(x)
@@ -136,7 +130,7 @@ def _gather(
 @triton.jit
 def _last_tie(
     row_ptr, keys_ptr, index_ptr, vocab, boundary, ties, gathered,
-    BLOCK: tl.constexpr, CAP: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, CAP: tl.constexpr,
 ):  # fmt: skip
     """The index of the ``ties``-th token, in index order, of those whose key is
     ``boundary``: by bisection over the indices in scratch, where the search that found the
@@ -161,7 +155,7 @@ def _last_tie(
         while low < high:
             middle = (low + high) >> 1
             count = tl.zeros([BLOCK], dtype=tl.int32)
-            for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+            for start in range(0, vocab, BLOCK):
                 idx = start + lanes
                 x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
                 count += ((_key(x) == boundary) & (idx <= middle)).to(tl.int32)
@@ -201,7 +195,6 @@ def _search(
     CAP: tl.constexpr,
     VALUE_SPAN: tl.constexpr,
     VALUE_STEPS: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """The boundary ``(key, ties, tied, gathered)`` of the shortest prefix of the order whose
     count reaches ``want_count`` and whose mass reaches ``want_mass``: its key, how many tokens
@@ -223,7 +216,7 @@ def _search(
         use_value = (step < VALUE_STEPS) & (hi_x - lo_x <= VALUE_SPAN)
         use_value = use_value & (by_value > lo) & (by_value < hi)
         pivot = tl.where(use_value, by_value, by_key)
-        count, mass = _suffix(row_ptr, vocab, pivot, row_max, MASS, BLOCK, STAGES)
+        count, mass = _suffix(row_ptr, vocab, pivot, row_max, MASS, BLOCK)
         reached = (count >= want_count) & (mass >= want_mass)
         lo = tl.where(reached, pivot, lo)
         count_lo = tl.where(reached, count, count_lo)
@@ -237,7 +230,7 @@ def _search(
         # Gather the keys between the bounds into scratch, then bisect those in registers:
         # each step splits the candidates left between the bounds by a pivot among their own
         # keys, until one key is left, the boundary's.
-        _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK, CAP, STAGES)
+        _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK, CAP)
         valid = tl.arange(0, CAP) < between
         keys = tl.load(keys_ptr + tl.arange(0, CAP), mask=valid, other=0)
         weights = tl.where(valid, _weight(_value(keys), row_max), 0.0)
@@ -305,7 +298,6 @@ def _top_k_top_p_kernel(
     CAP: tl.constexpr,
     VALUE_SPAN: tl.constexpr,
     VALUE_STEPS: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_in
@@ -325,7 +317,7 @@ def _top_k_top_p_kernel(
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     lane_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     lane_finite = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+    for start in range(0, vocab, BLOCK):
         idx = start + lanes
         x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
         d = x - tl.maximum(lane_max, lowest)
@@ -353,9 +345,9 @@ def _top_k_top_p_kernel(
     if cuts_k:
         boundary, ties, tied, gathered = _search(
             row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, _key(row_min), top,
-            finite, 0, 0.0, top_k, 0.0, False, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS, STAGES,
+            finite, 0, 0.0, top_k, 0.0, False, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
         )  # fmt: skip
-        kept_count, kept_mass = _suffix(row_ptr, vocab, boundary + 1, row_max, True, BLOCK, STAGES)
+        kept_count, kept_mass = _suffix(row_ptr, vocab, boundary + 1, row_max, True, BLOCK)
         # kept_* are now the part of the top-k set above the boundary's key.
     if (top_p < 1.0) & (top_p > 0.0) & (finite > 0):
         tie_mass = _weight(_value(boundary), row_max)
@@ -368,15 +360,15 @@ def _top_k_top_p_kernel(
             lo = tl.where(cuts_k, boundary + 1, _key(row_min))
             boundary, ties, tied, gathered = _search(
                 row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, lo, top,
-                kept_count, 0, 0.0, 0, want, True, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS, STAGES,
+                kept_count, 0, 0.0, 0, want, True, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
             )  # fmt: skip
 
     # The boundary's ties stay up to the index of the last one kept.
     last = tl.zeros([], dtype=tl.int32) + vocab
     if ties < tied:
         last = _last_tie(row_ptr, keys_ptr, index_ptr, vocab, boundary, ties, gathered,
-                         BLOCK, CAP, STAGES)  # fmt: skip
-    for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+                         BLOCK, CAP)  # fmt: skip
+    for start in range(0, vocab, BLOCK):
         idx = start + lanes
         inside = idx < vocab
         x = tl.load(row_ptr + idx, mask=inside, other=float("-inf"))
@@ -445,7 +437,6 @@ def top_k_top_p_triton(
         CAP=cap,
         VALUE_SPAN=_VALUE_SPAN,
         VALUE_STEPS=_VALUE_STEPS,
-        STAGES=_STAGES,
         num_warps=_NUM_WARPS,
     )
     return out
