@@ -45,6 +45,7 @@ from cbpipe.worker.sampler import (
     sample_full,
     sample_full_reference,
     sample_reference,
+    top_k_top_p_cut_reference,
     top_k_top_p_reference,
 )
 
@@ -150,7 +151,7 @@ def main() -> None:
         full_torch = compile_decode_fn(sample_full_reference)
         plain = compile_decode_fn(sample)
         plain_torch = compile_decode_fn(sample_reference)
-        kernel = truncation.top_k_top_p_triton
+        cut_kernel = truncation.top_k_top_p_cut_triton
         for rows in (int(r) for r in args.rows.split(",")):
             logits = make_logits("peaked", rows, args.vocab).bfloat16()
             state = torch.zeros(rows + 1, args.vocab, device="cuda")
@@ -168,11 +169,11 @@ def main() -> None:
                 "temperature_ms": graph_time(args.iters, plain, *plain_call),
                 "temperature_torch_ms": graph_time(args.iters, plain_torch, *plain_call),
             }
-            truncation.top_k_top_p_triton = top_k_top_p_reference  # what the op calls on CUDA
+            truncation.top_k_top_p_cut_triton = top_k_top_p_cut_reference  # the op's call
             try:
                 timings["full_sort_ms"] = graph_time(args.iters, full, *call)
             finally:
-                truncation.top_k_top_p_triton = kernel
+                truncation.top_k_top_p_cut_triton = cut_kernel
             results.append(dict(kind="samplers", rows=rows, **timings))
             print(f"{'':18} {rows:>5} {timings['full_ms']:8.3f} {timings['full_sort_ms']:8.3f} "
                   f"{timings['full_torch_ms']:8.3f} {timings['temperature_ms']:8.3f} "

@@ -76,7 +76,7 @@ def sample_kernels(
     keys = _row_keys(inputs.seed, inputs.output_index)
     scaled, stats = torch.ops.cbpipe.sample_prepare(logits, inputs.temperature, [])
     ids, logprobs, _ = torch.ops.cbpipe.sample_draw(
-        logits, scaled, stats, inputs.temperature, keys, None
+        logits, scaled, stats, inputs.temperature, keys, None, None
     )
     return ids, logprobs
 
@@ -147,12 +147,12 @@ def sample_full_kernels(
     ]  # fmt: skip
     keys = _row_keys(inputs.seed, inputs.output_index)
     scaled, stats = torch.ops.cbpipe.sample_prepare(logits, inputs.temperature, state)
-    min_p = inputs.min_p
-    if inputs.truncation:  # top-k and top-p see what min-p keeps
+    min_p, cut = inputs.min_p, None
+    if inputs.truncation:  # top-k and top-p see what min-p keeps; the draw applies their cut
         torch.ops.cbpipe.apply_min_p_(scaled, stats, min_p)
-        scaled, min_p = _apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p), None
+        cut, min_p = torch.ops.cbpipe.top_k_top_p_cut(scaled, inputs.top_k, inputs.top_p), None
     ids, logprobs, lse = torch.ops.cbpipe.sample_draw(
-        logits, scaled, stats, inputs.temperature, keys, min_p
+        logits, scaled, stats, inputs.temperature, keys, min_p, cut
     )
     return FullSample(ids, logprobs, lse)
 
@@ -358,6 +358,48 @@ def _top_k_top_p_shape(
     return torch.empty_like(logits)
 
 
+@torch.library.custom_op("cbpipe::top_k_top_p_cut", mutates_args=())
+def _top_k_top_p_cut(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Each row's top-k/top-p cut, ``[rows, 2]`` int32: the boundary's order key and the
+    index of its last tie kept (``kernels/truncation.py``'s ``kept`` applies it). The
+    truncation kernel without its last pass, for the sampler's draw, which reads the row
+    anyway; off CUDA (the kernels' tests) the cut of ``top_k_top_p_reference``'s mask."""
+    if logits.is_cuda:
+        from cbpipe.worker.kernels.truncation import top_k_top_p_cut_triton
+
+        return top_k_top_p_cut_triton(logits, top_k, top_p)
+    return top_k_top_p_cut_reference(logits, top_k, top_p)
+
+
+@_top_k_top_p_cut.register_fake
+def _top_k_top_p_cut_shape(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    return logits.new_empty((logits.shape[0], 2), dtype=torch.int32)
+
+
+def top_k_top_p_cut_reference(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The cut of ``top_k_top_p_reference``'s mask: the lowest key it keeps and the highest
+    index it keeps of that key (a row it leaves whole: the lowest key and the vocabulary's
+    length, which keep every token, -inf ones too)."""
+    keep = top_k_top_p_reference(logits, top_k, top_p) > float("-inf")
+    bits = logits.contiguous().view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    lowest = torch.iinfo(torch.int32).min
+    boundary = torch.where(keep, key, torch.iinfo(torch.int32).max).amin(-1)
+    index = torch.arange(logits.shape[-1], device=logits.device)
+    ties = keep & (key == boundary[:, None])
+    last = torch.where(ties, index, -1).amax(-1)
+    kept_all = keep.all(-1)  # -inf logits stay too: the cut that keeps everything
+    boundary = torch.where(kept_all, lowest, boundary)
+    last = torch.where(kept_all, logits.shape[-1], last)
+    return torch.stack([boundary, last.to(torch.int32)], dim=-1).to(torch.int32)
+
+
 def top_k_top_p_reference(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
@@ -466,14 +508,15 @@ def _sample_draw(
     temperature: torch.Tensor,
     keys: torch.Tensor,
     min_p: torch.Tensor | None,
+    cut: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's token, its raw log-probability and the raw logsumexp; min-p applied first
-    when given."""
+    when given, top-k/top-p's cut (``top_k_top_p_cut``) when given."""
     from cbpipe.worker.kernels.full_sample import draw_triton
 
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    return draw_triton(logits, scaled, stats, temperature, keys, min_p)
+    return draw_triton(logits, scaled, stats, temperature, keys, min_p, cut)
 
 
 @_sample_draw.register_fake
@@ -484,6 +527,7 @@ def _sample_draw_shape(
     temperature: torch.Tensor,
     keys: torch.Tensor,
     min_p: torch.Tensor | None,
+    cut: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = logits.shape[0]
     return (

@@ -163,8 +163,9 @@ def test_the_compiled_full_sampler_at_a_large_vocabulary_samples_what_eager_does
 ) -> None:
     """``torch.compile`` of the full sampler as the decode graphs run it (dynamic shapes,
     the runner's options: the kernels' ops), at Llama 3's 128,256 tokens, both variants,
-    against the plain-torch reference run eagerly, and the top alternatives from its ``lse``. The engine tests' small vocabularies never met what
-    inductor does with a row that long: a split scan for top-p's running mass, whose code
+    against the plain-torch reference run eagerly, and the top alternatives from its
+    ``lse``. The engine tests' small vocabularies never met what inductor does with a row
+    that long: a split scan for top-p's running mass, whose code
     generation failed at start-up of every 8B and 1B engine once the compiled path became
     the default."""
     from cbpipe.worker.compiling import compile_decode_fn

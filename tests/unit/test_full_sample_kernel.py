@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.unit.triton_interpreter import (
+    bounds_from_data,
     check_each,
     emit,
     needs_cuda,
@@ -40,7 +41,9 @@ class Case:
     # "mixed": each row its own processing (penalties, bias, min-p, top-k/top-p, greedy);
     # "plain": none (as ``sample`` has it); "ties": plain, mostly greedy rows of integer
     # logits, whose maximum recurs across tiles and pieces; "bans": most of each row banned
-    # by the bias, one row down to a single token, another a banned block of whole pieces.
+    # by the bias, one row down to a single token, another a banned block of whole pieces;
+    # "narrow": hot rows that top-k or top-p cut to a few tokens, so a draw past the cut
+    # shows.
     processing: str = "mixed"
     strided: bool = False  # the logits a view of every other row of a wider buffer
     tile: int | None = None  # None: through the ops at the module's tile; else the kernels
@@ -57,6 +60,8 @@ CPU_CASES = [
     Case("ties-small-tiles", 6, 300, processing="ties", tile=16),
     Case("bans", 6, 5000, processing="bans"),
     Case("bans-truncation", 6, 5000, truncation=True, processing="bans"),
+    Case("narrow", 8, 5000, truncation=True, processing="narrow"),
+    Case("narrow-small-tiles", 8, 300, truncation=True, processing="narrow", tile=16),
     Case("small-tiles", 7, 300, tile=16),
     Case("small-tiles-truncation", 7, 300, truncation=True, tile=16, seed=1),
     Case("one-token", 3, 1, tile=16),
@@ -103,6 +108,14 @@ def make_inputs(case: Case, device: torch.device) -> tuple[Any, ...]:
         inputs = full_inputs(n, temperature=column([0.7, 1.0, 0.0, 1.3]))
     elif case.processing == "ties":
         inputs = full_inputs(n, temperature=column([0.0, 0.0, 1.0]))
+    elif case.processing == "narrow":
+        inputs = full_inputs(
+            n,
+            temperature=column([3.0]),
+            top_k=column([1, 2, 0, 3], torch.int32),
+            top_p=column([1.0, 1.0, 0.05, 0.5]),
+            truncation=True,
+        )
     else:
         if case.processing == "bans":
             for i, row in enumerate(rows.tolist()):
@@ -138,10 +151,11 @@ def make_inputs(case: Case, device: torch.device) -> tuple[Any, ...]:
 
 
 def run_kernels(case: Case, args: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
-    """The sample and the processed row the draw read (before top-k/top-p), through the ops,
-    or the kernels themselves at ``case.tile``, composed as ``sample_full_kernels``."""
+    """The sample and the processed row the draw read (before top-k/top-p), through the ops
+    (off CUDA the truncation op's cut is the sort's), or the kernels themselves at
+    ``case.tile``, the truncation kernel's among them, composed as ``sample_full_kernels``."""
     from cbpipe.worker import sampler
-    from cbpipe.worker.kernels import full_sample
+    from cbpipe.worker.kernels import full_sample, truncation
 
     logits, bias, counts, seen, inputs = args
     if case.tile is None:
@@ -152,13 +166,16 @@ def run_kernels(case: Case, args: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
         logits, inputs.temperature, tuple(_state(args)), tile=case.tile
     )
     before = scaled.clone()
-    min_p = inputs.min_p
-    if case.truncation:
+    min_p, cut = inputs.min_p, None
+    if case.truncation:  # the truncation kernel's cut, at sizes that reach its gather
         full_sample.apply_min_p_triton(scaled, stats, min_p, tile=case.tile)
-        scaled, min_p = sampler.top_k_top_p_reference(scaled, inputs.top_k, inputs.top_p), None
+        cut = truncation.top_k_top_p_cut_triton(
+            scaled, inputs.top_k, inputs.top_p, block=case.tile, cap=16
+        )
+        min_p = None
     keys = sampler._row_keys(inputs.seed, inputs.output_index)
     ids, logprobs, lse = full_sample.draw_triton(
-        logits, scaled, stats, inputs.temperature, keys, min_p, tile=case.tile
+        logits, scaled, stats, inputs.temperature, keys, min_p, cut, tile=case.tile
     )
     return sampler.FullSample(ids, logprobs, lse), before
 
@@ -247,7 +264,14 @@ def test_triton_is_importable() -> None:
     require_triton()
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def _interpreted(case: Case) -> Any:
+    """The truncation kernel's loops run to bounds computed from the data."""
+    if case.truncation and case.tile is not None:
+        return pytest.param(case, marks=bounds_from_data, id=case.name)
+    return pytest.param(case, id=case.name)
+
+
+@pytest.mark.parametrize("case", [_interpreted(case) for case in CPU_CASES])
 def test_interpreted_matches_the_reference(case: Case, interpreter_results: dict) -> None:
     assert_result(case, interpreter_results[case.name], exact=True)
 

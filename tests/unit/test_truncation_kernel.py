@@ -203,17 +203,34 @@ def compare(
 
 
 def check_case(case: Case, device: torch.device) -> dict[str, object]:
-    from cbpipe.worker.kernels.truncation import top_k_top_p_triton
+    from cbpipe.worker.kernels.truncation import top_k_top_p_cut_triton, top_k_top_p_triton
 
     logits, top_k, top_p = make_inputs(case, device)
     got = top_k_top_p_triton(logits, top_k, top_p, block=case.block, cap=case.cap)
-    return compare(logits, top_k, top_p, got)
+    result = compare(logits, top_k, top_p, got)
+    # The cut alone, applied as the sampler's draw applies it, masks the same tokens.
+    cut = top_k_top_p_cut_triton(logits, top_k, top_p, block=case.block, cap=case.cap)
+    keep = kept_by_cut(logits.float(), cut)
+    from_cut = torch.where(keep, logits.float(), float("-inf"))
+    same = (from_cut == got) | (from_cut.isnan() & got.isnan())
+    result["cut_masks_the_same"] = bool(same.all()) and cut.dtype == torch.int32
+    return result
+
+
+def kept_by_cut(x: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """``truncation.kept`` in torch: keys above the boundary's, and its ties up to ``last``."""
+    bits = x.contiguous().view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    idx = torch.arange(x.shape[-1], device=x.device)[None, :]
+    boundary, last = cut[:, :1], cut[:, 1:]
+    return (key > boundary) | ((key == boundary) & (idx <= last))
 
 
 def assert_result(case: Case, result: dict[str, Any]) -> None:
     assert "error" not in result, f"{case.name} raised:\n{result['error']}"
     assert result["shape_ok"], f"{case.name}: wrong dtype or shape"
     assert result["values_kept"], f"{case.name}: a kept logit changed"
+    assert result["cut_masks_the_same"], f"{case.name}: the cut alone keeps other tokens"
     assert not result["wrong_rows"], (
         f"{case.name}: (row, kept, fewest allowed, most allowed) of the rows that keep what "
         f"top-k and top-p do not: {result['wrong_rows']}"
@@ -255,6 +272,25 @@ def test_the_cases_reach_every_path() -> None:
     assert ((tie_rows > 32) & (tie_rows < block)).any()  # a cut inside the ties
     assert (kept["top-k"] == 1500).any() and (kept["top-k"] == 1).any()
     assert (kept["flat"][:3] > 32).all()  # the search narrows by many steps
+
+
+def test_the_reference_cut_masks_what_the_sort_masks() -> None:
+    """``sampler.top_k_top_p_cut_reference`` (the cut op off CUDA): its cut, applied as the
+    draw applies it, keeps exactly the sort's tokens, on rows with ties, -inf entries, rows
+    kept whole and a row all -inf."""
+    from cbpipe.worker.sampler import top_k_top_p_cut_reference, top_k_top_p_reference
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randint(-3, 4, (8, 300), generator=gen).float()
+    x[1, :200] = float("-inf")
+    x[2] = float("-inf")
+    x[3] += torch.randn(300, generator=gen)
+    top_k = torch.tensor([0, 5, 3, 0, 40, 0, 1, 299], dtype=torch.int32)
+    top_p = torch.tensor([0.5, 1.0, 0.9, 0.95, 1.0, 1.0, 0.3, 0.99])
+    cut = top_k_top_p_cut_reference(x, top_k, top_p)
+    want = top_k_top_p_reference(x, top_k, top_p)
+    assert cut.dtype == torch.int32 and cut.shape == (8, 2)
+    assert torch.equal(torch.where(kept_by_cut(x, cut), x, float("-inf")), want)
 
 
 def test_bad_inputs_are_refused() -> None:

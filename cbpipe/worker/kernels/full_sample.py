@@ -15,9 +15,12 @@ logits its kernels besides top-k/top-p took 0.27 ms, where their bytes take unde
   and sum of ``exp(x - max)`` (the logsumexp), the processed logits' maximum and its first
   index (a greedy row's token), and the scaled row's maximum (min-p's reference).
 * ``apply_min_p_``: in place on ``scaled``, only where top-k/top-p follow (they must see the
-  min-p cut), one program a row; a row with ``min_p`` 0 returns at once.
+  min-p cut), one program a row; a row with ``min_p`` 0 returns at once. Then the truncation
+  kernel (``truncation.py``) finds each row's cut.
 * ``draw``: one program per (row, piece) again, the seeded noise added to ``scaled`` (min-p
-  applied on the way when no truncation ran), each piece's maximum and first index; then one
+  applied on the way when no truncation follows it; else top-k/top-p's cut, which the
+  truncation kernel hands over instead of writing the masked row), each piece's maximum
+  and first index; then one
   program per row merges every piece's figures into the token (greedy rows the processed
   argmax), its raw log-probability and the logsumexp.
 
@@ -35,6 +38,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from cbpipe.worker.kernels.truncation import float_key, kept
 
 # Elements a program reads per step, and whole tiles a piece: 63 pieces of Llama 3's row, so
 # one row alone still spreads over half the SMs of an H100.
@@ -205,12 +210,14 @@ def _draw_kernel(
     scaled_ptr,
     stats_ptr,
     min_p_ptr,
+    cut_ptr,
     keys_ptr,
     draws_ptr,
     rows,
     vocab,
     tiles_per_piece,
     APPLY_MIN_P: tl.constexpr,
+    APPLY_CUT: tl.constexpr,
     TILE: tl.constexpr,
     PIECES_PAD: tl.constexpr,
 ):
@@ -224,6 +231,9 @@ def _draw_kernel(
     if APPLY_MIN_P:
         min_p = tl.load(min_p_ptr + row)
         row_max = _row_scaled_max(stats_ptr, row, rows, tl.num_programs(1), PIECES_PAD)
+    if APPLY_CUT:
+        boundary = tl.load(cut_ptr + 2 * row)
+        last = tl.load(cut_ptr + 2 * row + 1)
     best = tl.full([TILE], float("-inf"), dtype=tl.float32)
     best_arg = start + lanes
     for t in range(tiles_per_piece):
@@ -232,6 +242,8 @@ def _draw_kernel(
         scaled = tl.load(in_row + idx, mask=inside, other=float("-inf"))
         if APPLY_MIN_P:
             scaled = tl.where(tl.exp(scaled - row_max) < min_p, float("-inf"), scaled)
+        if APPLY_CUT:
+            scaled = tl.where(kept(float_key(scaled), idx, boundary, last), scaled, float("-inf"))
         bits = _mix32(key ^ (idx.to(tl.uint32) * 0x2545F491))
         bits = _mix32(bits ^ key)
         uniform = ((bits >> 9).to(tl.float32) + 0.5) / 8388608.0  # 2**23
@@ -338,6 +350,7 @@ def draw_triton(
     temperature: torch.Tensor,  # [rows] float32; 0: the processed argmax
     keys: torch.Tensor,  # [rows] int32: each row's draw key (sampler._row_keys)
     min_p: torch.Tensor | None = None,  # [rows] float32, applied here when given
+    cut: torch.Tensor | None = None,  # [rows, 2] int32: top-k/top-p's cut, applied when given
     *,
     tile: int = TILE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -353,8 +366,9 @@ def draw_triton(
         return ids, logprobs, lse
     draws = torch.empty((2, rows, pieces), dtype=torch.float32, device=device)
     _draw_kernel[(rows, pieces)](
-        scaled, stats, temperature if min_p is None else min_p, keys, draws, rows, vocab,
-        _tiles_per_piece(vocab, pieces, tile), APPLY_MIN_P=min_p is not None, TILE=tile,
+        scaled, stats, temperature if min_p is None else min_p, keys if cut is None else cut,
+        keys, draws, rows, vocab, _tiles_per_piece(vocab, pieces, tile),
+        APPLY_MIN_P=min_p is not None, APPLY_CUT=cut is not None, TILE=tile,
         PIECES_PAD=MAX_PIECES, num_warps=_NUM_WARPS,
     )  # fmt: skip
     _merge_kernel[(rows,)](

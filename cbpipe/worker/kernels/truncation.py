@@ -36,7 +36,9 @@ Design, one program a row:
   ``Z_k``; top-p searches the top-k set's tokens by mass for ``top_p * Z_k``.
 * When the cut falls inside the boundary's ties, the index of the last tie kept comes from a
   bisection over the gathered indices (or, past ``CAP`` ties, over the row).
-* A last pass writes each logit or ``-inf``.
+* A last pass writes each logit or ``-inf``; or, for a caller that reads the row anyway
+  (the sampler's draw), the row's cut is stored instead: the boundary's key and the index
+  of its last tie kept (``top_k_top_p_cut_triton``, ``kept``).
 
 A row's passes: the first, the search's (one or two for a peaked distribution, more for a
 flat one), one gather, one more with top-k, and the write.
@@ -66,10 +68,17 @@ _NUM_WARPS = 16
 
 
 @triton.jit
-def _key(x):
+def float_key(x):
     """float32 -> int32 of the same order (``-0.0`` just below ``0.0``)."""
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def kept(key, idx, boundary, last):
+    """Whether a token stays, from its key and index and the row's cut ``(boundary,
+    last)``: every key above the boundary's, and the boundary's ties up to index ``last``."""
+    return (key > boundary) | ((key == boundary) & (idx <= last))
 
 
 @triton.jit
@@ -95,7 +104,7 @@ def _suffix(row_ptr, vocab, pivot, row_max, MASS: tl.constexpr, BLOCK: tl.conste
         idx = start + lanes
         # Past the row: -inf, whose key is below any pivot (pivots lie above a finite logit).
         x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
-        hit = _key(x) >= pivot
+        hit = float_key(x) >= pivot
         count += hit.to(tl.int32)
         if MASS:
             mass += tl.where(hit, _weight(x, row_max), 0.0)
@@ -118,7 +127,7 @@ def _gather(
     for start in range(0, vocab, BLOCK):
         idx = start + lanes
         x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
-        key = _key(x)
+        key = float_key(x)
         inside = (key >= lo) & (key < hi) & (idx < vocab)
         slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed", scope="cta")
         fits = inside & (slot < CAP)
@@ -158,7 +167,7 @@ def _last_tie(
             for start in range(0, vocab, BLOCK):
                 idx = start + lanes
                 x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
-                count += ((_key(x) == boundary) & (idx <= middle)).to(tl.int32)
+                count += ((float_key(x) == boundary) & (idx <= middle)).to(tl.int32)
             enough = tl.sum(count, 0) >= ties
             high = tl.where(enough, middle, high)
             low = tl.where(enough, low, middle + 1)
@@ -211,7 +220,7 @@ def _search(
     while (count_lo - count_hi > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1):
         lo_x = _value(lo)
         hi_x = _value(hi)
-        by_value = _key(lo_x + (hi_x - lo_x) * 0.5)
+        by_value = float_key(lo_x + (hi_x - lo_x) * 0.5)
         by_key = ((lo.to(tl.int64) + hi.to(tl.int64)) >> 1).to(tl.int32)
         use_value = (step < VALUE_STEPS) & (hi_x - lo_x <= VALUE_SPAN)
         use_value = use_value & (by_value > lo) & (by_value < hi)
@@ -240,7 +249,7 @@ def _search(
         while low < high:
             # A pivot in (low, high], so that candidates lie on both sides of it.
             low_x = _value(low)
-            by_value = _key(low_x + (_value(high) - low_x) * 0.5)
+            by_value = float_key(low_x + (_value(high) - low_x) * 0.5)
             by_key = ((low.to(tl.int64) + high.to(tl.int64) + 1) >> 1).to(tl.int32)
             use_value = (step < VALUE_STEPS) & (by_value > low) & (by_value <= high)
             pivot = tl.where(use_value, by_value, by_key)
@@ -298,6 +307,7 @@ def _top_k_top_p_kernel(
     CAP: tl.constexpr,
     VALUE_SPAN: tl.constexpr,
     VALUE_STEPS: tl.constexpr,
+    WRITE: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_in
@@ -332,7 +342,7 @@ def _top_k_top_p_kernel(
     total = tl.sum(lane_sum * tl.exp2((lane_max - shift) * 1.4426950408889634), 0)
     row_min = tl.min(lane_min, 0)
     finite = tl.sum(lane_finite, 0)
-    top = _key(row_max) + 1  # no token's key reaches it
+    top = float_key(row_max) + 1  # no token's key reaches it
 
     # Keep everything unless a search finds a boundary (the lowest key is a NaN's).
     boundary = tl.zeros([], dtype=tl.int32) - 2147483647 - 1
@@ -344,7 +354,7 @@ def _top_k_top_p_kernel(
     kept_mass = total
     if cuts_k:
         boundary, ties, tied, gathered = _search(
-            row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, _key(row_min), top,
+            row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, float_key(row_min), top,
             finite, 0, 0.0, top_k, 0.0, False, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
         )  # fmt: skip
         kept_count, kept_mass = _suffix(row_ptr, vocab, boundary + 1, row_max, True, BLOCK)
@@ -357,7 +367,7 @@ def _top_k_top_p_kernel(
             need = tl.ceil((want - kept_mass) / tie_mass)
             ties = tl.maximum(tl.minimum(need, ties.to(tl.float32)).to(tl.int32), 1)
         else:
-            lo = tl.where(cuts_k, boundary + 1, _key(row_min))
+            lo = tl.where(cuts_k, boundary + 1, float_key(row_min))
             boundary, ties, tied, gathered = _search(
                 row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, row_max, lo, top,
                 kept_count, 0, 0.0, 0, want, True, BLOCK, CAP, VALUE_SPAN, VALUE_STEPS,
@@ -368,13 +378,16 @@ def _top_k_top_p_kernel(
     if ties < tied:
         last = _last_tie(row_ptr, keys_ptr, index_ptr, vocab, boundary, ties, gathered,
                          BLOCK, CAP)  # fmt: skip
-    for start in range(0, vocab, BLOCK):
-        idx = start + lanes
-        inside = idx < vocab
-        x = tl.load(row_ptr + idx, mask=inside, other=float("-inf"))
-        key = _key(x)
-        keep = (key > boundary) | ((key == boundary) & (idx <= last))
-        tl.store(out_row + idx, tl.where(keep, x, float("-inf")), mask=inside)
+    if WRITE:
+        for start in range(0, vocab, BLOCK):
+            idx = start + lanes
+            inside = idx < vocab
+            x = tl.load(row_ptr + idx, mask=inside, other=float("-inf"))
+            keep = kept(float_key(x), idx, boundary, last)
+            tl.store(out_row + idx, tl.where(keep, x, float("-inf")), mask=inside)
+    else:
+        tl.store(out_ptr + row * 2, boundary)
+        tl.store(out_ptr + row * 2 + 1, last)
 
 
 # Value pivots while the bounds' logits are this close, for this many steps: beyond them
@@ -403,27 +416,67 @@ def top_k_top_p_triton(
     Returns:
         A new contiguous float32 ``[rows, vocab]`` tensor.
     """
+    logits, top_k, top_p = _checked(logits, top_k, top_p)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    _launch(logits, top_k, top_p, out, block, cap)
+    return out
+
+
+def top_k_top_p_cut_triton(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    block: int | None = None,
+    cap: int | None = None,
+) -> torch.Tensor:
+    """Each row's cut rather than the masked row: ``[rows, 2]`` int32, the boundary's key
+    (``float_key``) and the index of its last tie kept; a token stays if ``kept`` says so.
+    One pass over the row fewer, for a caller that reads the row anyway (the sampler's
+    draw). Arguments as ``top_k_top_p_triton``'s."""
+    logits, top_k, top_p = _checked(logits, top_k, top_p)
+    cut = torch.empty((logits.shape[0], 2), dtype=torch.int32, device=logits.device)
+    _launch(logits, top_k, top_p, cut, block, cap)
+    return cut
+
+
+def _checked(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(
             f"logits must be [rows, vocab] float32, got {tuple(logits.shape)} {logits.dtype}"
         )
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     if top_k.shape != (rows,) or top_p.shape != (rows,):
         raise ValueError(
             f"top_k and top_p must be [{rows}], got {tuple(top_k.shape)} and {tuple(top_p.shape)}"
         )
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return logits, top_k.contiguous(), top_p.contiguous()  # the kernel reads them by row
+
+
+def _launch(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    out: torch.Tensor,
+    block: int | None,
+    cap: int | None,
+) -> None:
+    """One program a row; ``out`` is the masked rows (``[rows, vocab]`` float32) or the cuts
+    (``[rows, 2]`` int32)."""
     block = block or _BLOCK
     cap = cap or _CAP
     for name, size in (("block", block), ("cap", cap)):
         if size < 2 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two of at least 2, got {size}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    top_k, top_p = top_k.contiguous(), top_p.contiguous()  # the kernel reads them by row
-    out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    rows, vocab = logits.shape
     if rows == 0 or vocab == 0:
-        return out
+        return
     scratch = torch.empty((rows, 2 * cap + 1), dtype=torch.int32, device=logits.device)
+    write = out.dtype == torch.float32
     _top_k_top_p_kernel[(rows,)](
         logits,
         out,
@@ -437,6 +490,6 @@ def top_k_top_p_triton(
         CAP=cap,
         VALUE_SPAN=_VALUE_SPAN,
         VALUE_STEPS=_VALUE_STEPS,
+        WRITE=write,
         num_warps=_NUM_WARPS,
     )
-    return out
