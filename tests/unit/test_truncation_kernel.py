@@ -208,13 +208,16 @@ def check_case(case: Case, device: torch.device) -> dict[str, object]:
     logits, top_k, top_p = make_inputs(case, device)
     got = top_k_top_p_triton(logits, top_k, top_p, block=case.block, cap=case.cap)
     result = compare(logits, top_k, top_p, got)
-    # The cut alone, applied as the sampler's draw applies it, masks the same tokens.
     cut = top_k_top_p_cut_triton(logits, top_k, top_p, block=case.block, cap=case.cap)
-    keep = kept_by_cut(logits.float(), cut)
-    from_cut = torch.where(keep, logits.float(), float("-inf"))
-    same = (from_cut == got) | (from_cut.isnan() & got.isnan())
-    result["cut_masks_the_same"] = bool(same.all()) and cut.dtype == torch.int32
+    result["cut_masks_the_same"] = cut_masks_the_same(logits, cut, got)
     return result
+
+
+def cut_masks_the_same(logits: torch.Tensor, cut: torch.Tensor, masked: torch.Tensor) -> bool:
+    """The cut alone, applied as the sampler's draw applies it, masks what ``masked`` has."""
+    from_cut = torch.where(kept_by_cut(logits.float(), cut), logits.float(), float("-inf"))
+    same = (from_cut == masked) | (from_cut.isnan() & masked.isnan())
+    return bool(same.all()) and cut.dtype == torch.int32
 
 
 def kept_by_cut(x: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
@@ -315,24 +318,29 @@ def test_gpu_matches_the_sort(case: Case) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_op_takes_the_kernel_and_never_syncs() -> None:
+    """Both ops, the masked rows and the cut alone."""
     from cbpipe.worker.sampler import _apply_top_k_top_p
 
     case = Case("op", 32, _LLAMA3, "bf16", top_k=(0, 50), top_p=(0.9, 0.8))
     logits, top_k, top_p = make_inputs(case, torch.device("cuda"))
     _apply_top_k_top_p(logits, top_k, top_p)  # compiles
+    torch.ops.cbpipe.top_k_top_p_cut(logits, top_k, top_p)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         got = _apply_top_k_top_p(logits, top_k, top_p)
+        cut = torch.ops.cbpipe.top_k_top_p_cut(logits, top_k, top_p)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert_result(case, compare(logits, top_k, top_p, got))
+    result = compare(logits, top_k, top_p, got)
+    result["cut_masks_the_same"] = cut_masks_the_same(logits, cut, got)
+    assert_result(case, result)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_cuda_graph_replays_with_rewritten_inputs() -> None:
-    from cbpipe.worker.kernels.truncation import top_k_top_p_triton
+    from cbpipe.worker.kernels.truncation import top_k_top_p_cut_triton, top_k_top_p_triton
 
     device = torch.device("cuda")
     first = Case("graph-0", 32, _LLAMA3, "bf16", top_k=(0, 50), top_p=(0.9, 0.8))
@@ -341,10 +349,12 @@ def test_gpu_cuda_graph_replays_with_rewritten_inputs() -> None:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         top_k_top_p_triton(logits, top_k, top_p)  # compiles outside the capture
+        top_k_top_p_cut_triton(logits, top_k, top_p)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = top_k_top_p_triton(logits, top_k, top_p)
+        cut = top_k_top_p_cut_triton(logits, top_k, top_p)
 
     for case in [
         Case("graph-flat", 32, _LLAMA3, "flat", top_k=(0, 1000), top_p=(0.5, 0.9), seed=1),
@@ -355,9 +365,12 @@ def test_gpu_cuda_graph_replays_with_rewritten_inputs() -> None:
         top_k.copy_(new_k)
         top_p.copy_(new_p)
         got.fill_(float("nan"))
+        cut.fill_(0)
         graph.replay()
         torch.cuda.synchronize()
-        assert_result(case, compare(logits, top_k, top_p, got))
+        result = compare(logits, top_k, top_p, got)
+        result["cut_masks_the_same"] = cut_masks_the_same(logits, cut, got)
+        assert_result(case, result)
 
 
 if __name__ == "__main__":
