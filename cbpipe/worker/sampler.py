@@ -73,10 +73,9 @@ def sample_kernels(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample`` through the kernels ``sample_full`` runs, without their processing: a row
     draws the same token either way."""
-    keys = _row_keys(inputs.seed, inputs.output_index)
     scaled, stats = torch.ops.cbpipe.sample_prepare(logits, inputs.temperature, [])
     ids, logprobs, _ = torch.ops.cbpipe.sample_draw(
-        logits, scaled, stats, inputs.temperature, keys, None, None
+        logits, scaled, stats, inputs.temperature, inputs.seed, inputs.output_index, None, None
     )
     return ids, logprobs
 
@@ -145,14 +144,13 @@ def sample_full_kernels(
         bias, output_counts, seen, inputs.rows, inputs.presence_penalty,
         inputs.frequency_penalty, inputs.repetition_penalty,
     ]  # fmt: skip
-    keys = _row_keys(inputs.seed, inputs.output_index)
     scaled, stats = torch.ops.cbpipe.sample_prepare(logits, inputs.temperature, state)
     min_p, cut = inputs.min_p, None
     if inputs.truncation:  # top-k and top-p see what min-p keeps; the draw applies their cut
         torch.ops.cbpipe.apply_min_p_(scaled, stats, min_p)
         cut, min_p = torch.ops.cbpipe.top_k_top_p_cut(scaled, inputs.top_k, inputs.top_p), None
     ids, logprobs, lse = torch.ops.cbpipe.sample_draw(
-        logits, scaled, stats, inputs.temperature, keys, min_p, cut
+        logits, scaled, stats, inputs.temperature, inputs.seed, inputs.output_index, min_p, cut
     )
     return FullSample(ids, logprobs, lse)
 
@@ -506,7 +504,8 @@ def _sample_draw(
     scaled: torch.Tensor,
     stats: torch.Tensor,
     temperature: torch.Tensor,
-    keys: torch.Tensor,
+    seed: torch.Tensor,
+    output_index: torch.Tensor,
     min_p: torch.Tensor | None,
     cut: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -516,7 +515,7 @@ def _sample_draw(
 
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    return draw_triton(logits, scaled, stats, temperature, keys, min_p, cut)
+    return draw_triton(logits, scaled, stats, temperature, seed, output_index, min_p, cut)
 
 
 @_sample_draw.register_fake
@@ -525,7 +524,8 @@ def _sample_draw_shape(
     scaled: torch.Tensor,
     stats: torch.Tensor,
     temperature: torch.Tensor,
-    keys: torch.Tensor,
+    seed: torch.Tensor,
+    output_index: torch.Tensor,
     min_p: torch.Tensor | None,
     cut: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

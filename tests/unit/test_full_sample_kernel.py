@@ -173,10 +173,10 @@ def run_kernels(case: Case, args: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
             scaled, inputs.top_k, inputs.top_p, block=case.tile, cap=16
         )
         min_p = None
-    keys = sampler._row_keys(inputs.seed, inputs.output_index)
     ids, logprobs, lse = full_sample.draw_triton(
-        logits, scaled, stats, inputs.temperature, keys, min_p, cut, tile=case.tile
-    )
+        logits, scaled, stats, inputs.temperature, inputs.seed, inputs.output_index, min_p, cut,
+        tile=case.tile,
+    )  # fmt: skip
     return sampler.FullSample(ids, logprobs, lse), before
 
 

@@ -18,19 +18,18 @@ logits its kernels besides top-k/top-p took 0.27 ms, where their bytes take unde
   min-p cut), one program a row; a row with ``min_p`` 0 returns at once. Then the truncation
   kernel (``truncation.py``) finds each row's cut.
 * ``draw``: one program per (row, piece) again, the seeded noise added to ``scaled`` (min-p
-  applied on the way when no truncation follows it; else top-k/top-p's cut, which the
-  truncation kernel hands over instead of writing the masked row), each piece's maximum
-  and first index; then one
-  program per row merges every piece's figures into the token (greedy rows the processed
-  argmax), its raw log-probability and the logsumexp.
+  applied on the way when no truncation ran; else top-k/top-p's cut, which the truncation
+  kernel hands over instead of writing the masked row), each piece's maximum and first
+  index; then one program per row merges every piece's figures into the token (greedy rows
+  the processed argmax), its raw log-probability and the logsumexp.
 
-The noise is ``sampler._uniform``'s, bit for bit: the row's key comes in as int32 bits, each
-token's hash runs in uint32 (wrapping products, logical shifts). Each lane of a tile keeps its
-own running figures and moves its index only on a strictly larger value, so ties go to the
-first index, as ``argmax`` has them. Grids and scratch follow from host integers: a call never
-synchronises, and a CUDA graph captures it. The ops around these launches are in
-``cbpipe.worker.sampler``; this module imports ``triton`` and is loaded only for CUDA tensors
-(or under Triton's interpreter, which the CPU tests use).
+The noise is ``sampler._uniform``'s, bit for bit: the row's key (from its seed and output
+index) and each token's hash run in uint32 (wrapping products, logical shifts). Each lane of
+a tile keeps its own running figures and moves its index only on a strictly larger value, so
+ties go to the first index, as ``argmax`` has them. Grids and scratch follow from host
+integers: a call never synchronises, and a CUDA graph captures it. The ops around these
+launches are in ``cbpipe.worker.sampler``; this module imports ``triton`` and is loaded only
+for CUDA tensors (or under Triton's interpreter, which the CPU tests use).
 """
 
 from __future__ import annotations
@@ -206,12 +205,25 @@ def _mix32(x):
 
 
 @triton.jit
+def _row_key(seed_ptr, output_index_ptr, row):
+    """``sampler._row_keys`` for one row, in uint32: the int64 version's values never leave
+    32 bits (each product is reduced modulo 2**32, each shift is of a non-negative value)."""
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    low = (seed & 0xFFFFFFFF).to(tl.uint32)
+    high = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    index = (tl.load(output_index_ptr + row).to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+    key = _mix32(low ^ _mix32(high))
+    return _mix32(key ^ _mix32(index))
+
+
+@triton.jit
 def _draw_kernel(
     scaled_ptr,
     stats_ptr,
     min_p_ptr,
     cut_ptr,
-    keys_ptr,
+    seed_ptr,
+    output_index_ptr,
     draws_ptr,
     rows,
     vocab,
@@ -227,7 +239,7 @@ def _draw_kernel(
     start = piece * tiles_per_piece * TILE
     end = tl.minimum(start + tiles_per_piece * TILE, vocab)
     in_row = scaled_ptr + row.to(tl.int64) * vocab
-    key = tl.load(keys_ptr + row).to(tl.uint32, bitcast=True)
+    key = _row_key(seed_ptr, output_index_ptr, row)
     if APPLY_MIN_P:
         min_p = tl.load(min_p_ptr + row)
         row_max = _row_scaled_max(stats_ptr, row, rows, tl.num_programs(1), PIECES_PAD)
@@ -348,7 +360,8 @@ def draw_triton(
     scaled: torch.Tensor,  # [rows, vocab] float32, from prepare (truncated or not)
     stats: torch.Tensor,  # [5, rows, pieces], from prepare
     temperature: torch.Tensor,  # [rows] float32; 0: the processed argmax
-    keys: torch.Tensor,  # [rows] int32: each row's draw key (sampler._row_keys)
+    seed: torch.Tensor,  # [rows] int64
+    output_index: torch.Tensor,  # [rows] int32: which output each row draws
     min_p: torch.Tensor | None = None,  # [rows] float32, applied here when given
     cut: torch.Tensor | None = None,  # [rows, 2] int32: top-k/top-p's cut, applied when given
     *,
@@ -366,8 +379,8 @@ def draw_triton(
         return ids, logprobs, lse
     draws = torch.empty((2, rows, pieces), dtype=torch.float32, device=device)
     _draw_kernel[(rows, pieces)](
-        scaled, stats, temperature if min_p is None else min_p, keys if cut is None else cut,
-        keys, draws, rows, vocab, _tiles_per_piece(vocab, pieces, tile),
+        scaled, stats, temperature if min_p is None else min_p, seed if cut is None else cut,
+        seed, output_index, draws, rows, vocab, _tiles_per_piece(vocab, pieces, tile),
         APPLY_MIN_P=min_p is not None, APPLY_CUT=cut is not None, TILE=tile,
         PIECES_PAD=MAX_PIECES, num_warps=_NUM_WARPS,
     )  # fmt: skip
