@@ -5,6 +5,9 @@ and its log-probability), ``sample`` (temperature only; greedy rows where it is 
 ``sample_full`` (logit bias and bans, penalties, temperature, min_p, top-k, top-p, top
 alternatives). ``sample_full`` of a row that uses none of its processing draws exactly what
 ``sample`` draws for it, so a seeded request gets the same tokens whatever shares its step.
+On CUDA both run as Triton kernels behind ops (``kernels/full_sample.py``, and
+``kernels/truncation.py`` for top-k/top-p); ``sample_reference`` and ``sample_full_reference``
+are the same in plain torch, the path off CUDA and what the kernels are tested against.
 
 Randomness comes from a counter-based hash of ``(seed, output_index, token_id)`` rather than a
 generator with state, so a request's draw for its i-th output token is the same whatever else

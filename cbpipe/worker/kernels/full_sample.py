@@ -328,6 +328,8 @@ def prepare_triton(
     the request state's tables and each row's index into them and penalties; None for rows
     with no processing (``sampler.sample``)."""
     rows, vocab = logits.shape
+    if vocab >= 1 << 24:
+        raise ValueError(f"a vocabulary of {vocab} tokens: indices past 2**24 are not exact")
     pieces = num_pieces(vocab, tile, tiles_per_piece)
     scaled = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
     stats = torch.empty((5, rows, pieces), dtype=torch.float32, device=logits.device)
