@@ -43,7 +43,8 @@ class Case:
     # logits, whose maximum recurs across tiles and pieces; "bans": most of each row banned
     # by the bias, one row down to a single token, another a banned block of whole pieces;
     # "narrow": hot rows that top-k or top-p cut to a few tokens, so a draw past the cut
-    # shows.
+    # shows; "nan": mixed, with NaN logits in some rows (a broken model's), whose tokens are
+    # unspecified but must be tokens, the other rows the reference's.
     processing: str = "mixed"
     strided: bool = False  # the logits a view of every other row of a wider buffer
     tile: int | None = None  # None: through the ops at the module's tile; else the kernels
@@ -61,6 +62,8 @@ CPU_CASES = [
     Case("bans", 6, 5000, processing="bans"),
     Case("bans-truncation", 6, 5000, truncation=True, processing="bans"),
     Case("narrow", 8, 5000, truncation=True, processing="narrow"),
+    Case("nan", 8, 5000, processing="nan"),
+    Case("nan-truncation", 8, 5000, truncation=True, processing="nan"),
     Case("narrow-small-tiles", 8, 300, truncation=True, processing="narrow", tile=16),
     Case("small-tiles", 7, 300, tile=16),
     Case("small-tiles-truncation", 7, 300, truncation=True, tile=16, seed=1),
@@ -90,6 +93,10 @@ def make_inputs(case: Case, device: torch.device) -> tuple[Any, ...]:
     logits = (torch.randn(n, vocab, generator=gen) * 3).to(dtype)
     if case.processing == "ties":
         logits = torch.randint(0, 6, (n, vocab), generator=gen).to(dtype)
+    if case.processing == "nan":
+        logits[1, 17] = float("nan")
+        logits[4] = float("nan")
+        logits[6, vocab // 2 :] = float("nan")
     if case.strided:
         wide = torch.full((2 * n, vocab + 9), 7.0, dtype=dtype)
         wide[::2, 4 : 4 + vocab] = logits
@@ -211,6 +218,12 @@ def check_case(case: Case, device: torch.device) -> dict[str, object]:
     want = sampler.sample_full_reference(*args)
     got, scaled = run_kernels(case, args)
     inputs = args[4]
+    if case.processing == "nan":
+        clean = ~args[0].float().isnan().any(-1)
+        return {
+            "ids_in_range": bool(((got.ids >= 0) & (got.ids < case.vocab)).all()),
+            "clean_same": bool(torch.equal(got.ids[clean], want.ids[clean])),
+        }
     greedy = inputs.temperature == 0
     result: dict[str, object] = {
         "ids_same": (got.ids == want.ids).float().mean().item(),
@@ -235,6 +248,10 @@ def check_case(case: Case, device: torch.device) -> dict[str, object]:
 
 def assert_result(case: Case, result: dict[str, Any], *, exact: bool) -> None:
     assert "error" not in result, f"{case.name} raised:\n{result['error']}"
+    if case.processing == "nan":
+        assert result["ids_in_range"], f"{case.name}: a token id outside the vocabulary"
+        assert result["clean_same"], f"{case.name}: a row without NaN drew another token"
+        return
     assert result["types_ok"], case.name
     assert result["greedy_same"], f"{case.name}: a greedy row's token differs"
     # On the GPU the noise's logarithms are Triton's and torch's: a draw between two tokens

@@ -306,6 +306,10 @@ def _merge_kernel(
     greedy = _first_best(stats_ptr + 2 * plane, stats_ptr + 4 * plane, part, ok, vocab)
     sampled = _first_best(draws_ptr, draws_ptr + plane, part, ok, vocab)
     token = tl.where(tl.load(temperature_ptr + row) == 0.0, greedy, sampled)
+    # The pieces' maxima ignore NaN logits (a broken model's: tests/unit), so some piece
+    # always holds the maximum; should none, the index would be its sentinel, the
+    # vocabulary's size, and the load below would read one past the row: keep it a token.
+    token = tl.minimum(token, vocab - 1)
     chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
     tl.store(ids_ptr + row, token)
     tl.store(logprobs_ptr + row, chosen - lse)
