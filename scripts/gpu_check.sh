@@ -65,9 +65,11 @@
 #   compile  the micro part's 8B decode step with --compile-decode: start-up and step time
 #   truncation  top-k/top-p alone: scripts/bench_truncation.py (the Triton kernel against the
 #            stable sort it replaced, peaked and flat rows at TRUNCATION_ROWS, then the
-#            compiled full sampler both ways; TRUNCATION_LAUNCH=2048x8,8192x16 first sweeps
-#            the kernel's pass width and warps), then the kernel's GPU tests        (~2 min)
-#            (TRUNCATION_KERNELS=1: the compiled sampler's kernels too, profiled)
+#            compiled samplers: the full one through its kernels, with top-p by the sort and
+#            as its torch reference, the temperature-only one through the kernels and as its
+#            reference; TRUNCATION_LAUNCH=2048x8,8192x16 first sweeps the kernel's pass width
+#            and warps), then the kernel's GPU tests                               (~2 min)
+#            (TRUNCATION_KERNELS=1: the compiled full sampler's kernels too, profiled)
 #   sampling the decode step per sampling preset (greedy, plain temperature, the full sampler
 #            with top-k/top-p/min_p without and with the top 20 alternatives, penalties,
 #            greedy with 5 alternatives) from CUDA graphs: random:llama-8b x32 (context 4096)
@@ -314,7 +316,9 @@ if want tests; then
     for path in ${TEST_PATHS:-tests/gpu kernels}; do
         if [[ $path == kernels ]]; then
             test_paths+=(tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py
-                tests/unit/test_cache_write_kernel.py tests/unit/test_greedy_sample_kernel.py)
+                tests/unit/test_cache_write_kernel.py tests/unit/test_greedy_sample_kernel.py
+                tests/unit/test_truncation_kernel.py tests/unit/test_full_sample_kernel.py
+                tests/unit/test_sampler.py)
         else
             test_paths+=("$path")
         fi
@@ -622,8 +626,9 @@ if want truncation; then
         timeout -k 10 300 "$PY" scripts/bench_truncation.py --rows "${TRUNCATION_ROWS:-1,32,64,256}" ${TRUNCATION_KERNELS:+--kernels} \
             ${TRUNCATION_LAUNCH:+--launch "$TRUNCATION_LAUNCH"} --json "$OUT/truncation.json" 2>&1
         echo "exit code ${PIPESTATUS[0]}"
-        section "truncation kernel GPU tests"
-        timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/unit/test_truncation_kernel.py -m gpu \
+        section "truncation and sampler kernels GPU tests"
+        timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/unit/test_truncation_kernel.py \
+            tests/unit/test_full_sample_kernel.py -m gpu \
             -q --durations=5 2>&1
         echo "exit code ${PIPESTATUS[0]}"
     } 2>&1 | tee "$OUT/truncation.log"
