@@ -14,6 +14,10 @@ output head), megatron-style:
 - ``colwise_gather_output`` (the output head): each rank computes its slice of the
   vocabulary and an all-gather joins them, so every rank holds the same full logits and
   samples the same tokens (the sampler hashes per-request seeds; nothing else is random).
+  One exception on CUDA, rare: the top-k/top-p kernel's sums over its gathered candidates
+  follow the order an atomic counter gave them, so where a row's mass lies within float32
+  rounding of ``top_p`` the ranks may cut it one token apart (docs/PERFORMANCE.md, session
+  39, has the odds and the fix).
 - everything else (embeddings, norms, rotary tables) is replicated.
 
 Why not transformers' own ``tp_plan="auto"``: in transformers 5.24 it needs ``accelerate``
