@@ -55,6 +55,7 @@ CPU_CASES = [
     Case("mixed", 8, 5000),
     Case("mixed-truncation", 8, 5000, truncation=True),
     Case("mixed-fp32-strided", 6, 4099, dtype="float32", strided=True),
+    Case("mixed-fp16-truncation", 6, 4099, dtype="float16", truncation=True),
     Case("mixed-truncation-strided", 6, 4099, truncation=True, strided=True),
     Case("plain", 5, 3000, processing="plain"),
     Case("ties", 6, 3000, processing="ties"),
@@ -89,7 +90,9 @@ def make_inputs(case: Case, device: torch.device) -> tuple[Any, ...]:
 
     gen = torch.Generator().manual_seed(case.seed)
     n, vocab = case.rows, case.vocab
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[case.dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        case.dtype
+    ]
     logits = (torch.randn(n, vocab, generator=gen) * 3).to(dtype)
     if case.processing == "ties":
         logits = torch.randint(0, 6, (n, vocab), generator=gen).to(dtype)
