@@ -68,7 +68,7 @@
 #            compiled samplers: the full one through its kernels, with top-p by the sort and
 #            as its torch reference, the temperature-only one through the kernels and as its
 #            reference; TRUNCATION_LAUNCH=2048x8,8192x16 first sweeps the kernel's pass width
-#            and warps), then the kernel's GPU tests                               (~2 min)
+#            and warps), then the GPU tests of the sampler and its kernels           (~4 min)
 #            (TRUNCATION_KERNELS=1: the compiled full sampler's kernels too, profiled)
 #   sampling the decode step per sampling preset (greedy, plain temperature, the full sampler
 #            with top-k/top-p/min_p without and with the top 20 alternatives, penalties,
@@ -628,7 +628,7 @@ if want truncation; then
         echo "exit code ${PIPESTATUS[0]}"
         section "truncation and sampler kernels GPU tests"
         timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/unit/test_truncation_kernel.py \
-            tests/unit/test_full_sample_kernel.py -m gpu \
+            tests/unit/test_full_sample_kernel.py tests/unit/test_sampler.py -m gpu \
             -q --durations=5 2>&1
         echo "exit code ${PIPESTATUS[0]}"
     } 2>&1 | tee "$OUT/truncation.log"

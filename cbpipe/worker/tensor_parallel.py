@@ -13,11 +13,9 @@ output head), megatron-style:
   one all-reduce sums the parts (the bias, if any, is added once, after it).
 - ``colwise_gather_output`` (the output head): each rank computes its slice of the
   vocabulary and an all-gather joins them, so every rank holds the same full logits and
-  samples the same tokens (the sampler hashes per-request seeds; nothing else is random).
-  One exception on CUDA, rare: the top-k/top-p kernel's sums over its gathered candidates
-  follow the order an atomic counter gave them, so where a row's mass lies within float32
-  rounding of ``top_p`` the ranks may cut it one token apart (docs/PERFORMANCE.md, session
-  39, has the odds and the fix).
+  samples the same tokens (the sampler hashes per-request seeds; nothing else is random,
+  and the sampler's kernels reduce in fixed orders: the top-k/top-p kernel sums the
+  candidates its atomics gather in fixed point, so their order cannot move a cut).
 - everything else (embeddings, norms, rotary tables) is replicated.
 
 Why not transformers' own ``tp_plan="auto"``: in transformers 5.24 it needs ``accelerate``

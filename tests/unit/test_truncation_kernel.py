@@ -373,5 +373,74 @@ def test_gpu_cuda_graph_replays_with_rewritten_inputs() -> None:
         assert_result(case, result)
 
 
+def knife_edge_top_p(
+    cut_count: Any, rows: int, low: float = 0.5, high: float = 0.99
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, two adjacent float32 values of top-p between ``low`` and ``high`` at which the
+    kept count changes: the second is where the kernel's comparison of the mass with
+    ``top_p * Z`` just flips, the place float rounding decides. ``cut_count(top_p)`` gives
+    each row's kept count; by bisection over float32's bit patterns (ordered like the
+    values for positive floats)."""
+    lo = torch.full((rows,), low).view(torch.int32).long()
+    hi = torch.full((rows,), high).view(torch.int32).long()
+    as_float = lambda bits: bits.to(torch.int32).view(torch.float32)  # noqa: E731
+    count_lo = cut_count(as_float(lo))
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        count = cut_count(as_float(mid))
+        lower = count == count_lo  # the flip lies above mid
+        lo = torch.where(lower, mid, lo)
+        hi = torch.where(lower, hi, mid)
+    return as_float(lo), as_float(hi)
+
+
+def test_knife_edges_are_where_the_count_changes() -> None:
+    """The GPU test's bisection, on the sort: the two values it returns are adjacent floats,
+    and the second keeps more tokens than the first."""
+    from cbpipe.worker.sampler import top_k_top_p_reference
+
+    logits, top_k, _ = make_inputs(Case("edge", 8, 3000, "bf16", seed=5), torch.device("cpu"))
+
+    def cut_count(top_p: torch.Tensor) -> torch.Tensor:
+        return (top_k_top_p_reference(logits, top_k, top_p) > float("-inf")).sum(-1)
+
+    below, edge = knife_edge_top_p(cut_count, 8)
+    assert torch.equal(torch.nextafter(below, torch.ones(8)), edge)
+    assert (cut_count(edge) > cut_count(below)).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_the_cut_is_the_same_in_every_run_at_knife_edges() -> None:
+    """Where a row's mass meets ``top_p`` to the last bit, the cut must not depend on the
+    order the kernel's atomic gather leaves its candidates in: every run, and every
+    tensor-parallel rank, cuts such a row alike. Rows peaked and flat, each at the top-p
+    where its kept count changes and the float just below it, 64 runs."""
+    from cbpipe.worker.kernels.truncation import top_k_top_p_cut_triton
+
+    device = torch.device("cuda")
+    for case in (
+        Case("edge-peaked", 128, _LLAMA3, "bf16", seed=5),
+        Case("edge-flat", 128, _LLAMA3, "flat", seed=6),
+    ):
+        logits, top_k, _ = make_inputs(case, device)
+
+        def cut_count(
+            top_p: torch.Tensor, logits: torch.Tensor = logits, top_k: torch.Tensor = top_k
+        ) -> torch.Tensor:
+            cut = top_k_top_p_cut_triton(logits, top_k, top_p.to(device))
+            return kept_by_cut(logits, cut).sum(-1).cpu()
+
+        below, edge = knife_edge_top_p(cut_count, case.rows)
+        for top_p in (below.to(device), edge.to(device)):
+            first = top_k_top_p_cut_triton(logits, top_k, top_p)
+            runs = torch.stack([top_k_top_p_cut_triton(logits, top_k, top_p) for _ in range(64)])
+            differ = (runs != first).any(-1).any(0)
+            assert not differ.any(), (
+                f"{case.name}: rows {differ.nonzero().flatten().tolist()} cut differently "
+                f"in some of 64 runs at the same top-p"
+            )
+
+
 if __name__ == "__main__":
     _interpreter_main()

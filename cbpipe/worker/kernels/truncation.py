@@ -43,8 +43,11 @@ Design, one program a row:
 A row's passes: the first, the search's (one or two for a peaked distribution, more for a
 flat one), one gather, one more with top-k, and the write.
 Nothing about a launch depends on device values, so a call never synchronises and can be
-captured in a CUDA graph. Masses are float32 sums, a lane's then the lanes', and the tests
-hold the cut to within 1e-5 of probability mass of float64's; the sort's float32 running
+captured in a CUDA graph. A pass's masses are float32 sums, a lane's then the lanes', in an
+order fixed by the tokens' indices; the gathered candidates' masses are summed in fixed point,
+since their order in scratch is the atomics'. So a row's cut is the same in every run (and on
+every tensor-parallel rank, which must agree on the token). The tests hold the cut to within
+1e-5 of probability mass of float64's; the sort's float32 running
 sum over tens of thousands of tokens drifts further, so the two may cut a few tokens apart
 on a flat row. ``-inf`` logits never stay past the cut and are never counted; NaN and
 ``+inf`` logits give unspecified results. A row whose ``top_p`` is not positive keeps every
@@ -92,6 +95,25 @@ def _value(key):
 def _weight(x, row_max):
     """``exp(x - row_max)``: a token's probability times the row's ``Z``."""
     return tl.exp2((x - row_max) * 1.4426950408889634)
+
+
+# A candidate's weight, in (0, 1], in units of 2**-48: exact for weights of at least 2**-24
+# (float32's 24 bits then lie above the binary point), and CAP of them stay below 2**62.
+_MASS_BITS = 48
+_MAX_CAP = 1 << 14
+
+
+@triton.jit
+def _units(weight):
+    """A weight in fixed point, int64: truncated below 2**-48, a mass error of at most
+    ``CAP * 2**-48`` (about 1e-11) of the row's Z."""
+    return (weight * 281474976710656.0).to(tl.int64)  # 2**48
+
+
+@triton.jit
+def _mass(units):
+    """Fixed-point units back to a float32 mass: rounding a given integer is deterministic."""
+    return units.to(tl.float32) * 3.552713678800501e-15  # 2**-48
 
 
 @triton.jit
@@ -242,7 +264,10 @@ def _search(
         _gather(row_ptr, keys_ptr, index_ptr, counter_ptr, vocab, lo, hi, BLOCK, CAP)
         valid = tl.arange(0, CAP) < between
         keys = tl.load(keys_ptr + tl.arange(0, CAP), mask=valid, other=0)
-        weights = tl.where(valid, _weight(_value(keys), row_max), 0.0)
+        # The candidates' masses in fixed point: the gather leaves them in scratch in an
+        # order of the atomics' making, and integer sums, unlike float ones, do not depend on
+        # it, so a row's cut is the same in every run and on every tensor-parallel rank.
+        units = tl.where(valid, _units(_weight(_value(keys), row_max)), 0)
         low = tl.min(tl.where(valid, keys, 2147483647), 0)
         high = tl.max(tl.where(valid, keys, -2147483647 - 1), 0)
         step = tl.zeros([], dtype=tl.int32)
@@ -259,14 +284,14 @@ def _search(
             lower = left & ~hit
             count, mass, upper_low, upper_high, lower_low, lower_high = tl.reduce(
                 (
-                    hit.to(tl.int32), tl.where(hit, weights, 0.0),
+                    hit.to(tl.int32), tl.where(hit, units, 0),
                     tl.where(upper, keys, 2147483647), tl.where(upper, keys, -2147483647 - 1),
                     tl.where(lower, keys, 2147483647), tl.where(lower, keys, -2147483647 - 1),
                 ),
                 0,
                 _step_sums,
             )  # fmt: skip
-            reached = (count_hi + count >= want_count) & (mass_hi + mass >= want_mass)
+            reached = (count_hi + count >= want_count) & (mass_hi + _mass(mass) >= want_mass)
             # The candidates at or above the pivot if it is reached, below it if not.
             low = tl.where(reached, upper_low, lower_low)
             high = tl.where(reached, upper_high, lower_high)
@@ -274,7 +299,7 @@ def _search(
         boundary = low
         above = valid & (keys > boundary)
         above_count = count_hi + tl.sum(above.to(tl.int32), 0)
-        above_mass = mass_hi + tl.sum(tl.where(above, weights, 0.0), 0)
+        above_mass = mass_hi + _mass(tl.sum(tl.where(above, units, 0), 0))
         tied = tl.sum((valid & (keys == boundary)).to(tl.int32), 0)
         gathered = between
     else:
@@ -472,6 +497,8 @@ def _launch(
     for name, size in (("block", block), ("cap", cap)):
         if size < 2 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two of at least 2, got {size}")
+    if cap > _MAX_CAP:
+        raise ValueError(f"cap must be at most {_MAX_CAP} (its fixed-point masses), got {cap}")
     rows, vocab = logits.shape
     if rows == 0 or vocab == 0:
         return
