@@ -369,9 +369,10 @@ class StepRunner:
         prefill steps took 1.3-1.7 s instead of 70 ms, with the device idle. So each eager
         step's variants are met here: one decode row beside a prefill of every power-of-two
         length up to the step's token budget, and decode-only steps of every power-of-two
-        batch up to the slots' width. The steps read and write only the cache's padding
-        block, through slot 0's own buffers, and nothing is in flight yet. On CUDA the
-        products then run alone at row counts between those lengths
+        batch up to the slots' width, greedy; then the sampled and fully processed samplers
+        once each (``StepSampling.warm_up_eager``). The steps read and write only the
+        cache's padding block, through slot 0's own buffers, and nothing is in flight yet.
+        On CUDA the products then run alone at row counts between those lengths
         (``blas.warm_product_plans``): a step's row count is any number up to the budget,
         and the library's kernels for it load the first time it picks them.
         """
@@ -388,6 +389,7 @@ class StepRunner:
         with self._on(self.compute_stream):  # the slot's fills and the steps, in order
             for num_decodes, prefill_len in shapes:
                 self._run_padding_step(num_decodes, prefill_len)
+            self.sampling.warm_up_eager(self.sampling.state.vocab, self.device)
             if self.cuda:
                 with products_on(self._eager_blas):
                     num_products = warm_product_plans(

@@ -137,6 +137,35 @@ class StepSampling:
             for truncation, trace in _FULL_TRACES.items()
         }
 
+    def warm_up_eager(self, vocab: int, device: torch.device) -> None:
+        """Run each eager sampler once on a row of zeros, so that the first request of each
+        kind compiles nothing: a prefill or mixed step samples through these, where the
+        decode graphs (when there are any) compiled their own variants at capture. The
+        kernels do not specialise on the row count (``kernels/full_sample.py``), so one row
+        stands for every batch. Reads the spare state row only; writes nothing kept."""
+        logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+
+        def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.full((1,), value, dtype=dtype, device=device)
+
+        seed, output_index = column(0, torch.int64), column(0, torch.int32)
+        sample(logits, SamplingInputs(column(1.0), seed, output_index, all_greedy=False))
+        state = self.state
+        for truncation in (False, True):
+            sample_full(
+                logits,
+                state.bias,
+                state.output_counts,
+                state.seen,
+                FullSamplingInputs(
+                    temperature=column(1.0), top_p=column(0.9), top_k=column(0, torch.int32),
+                    min_p=column(0.1), presence_penalty=column(0.0),
+                    frequency_penalty=column(0.0), repetition_penalty=column(1.0), seed=seed,
+                    output_index=output_index, rows=column(state.spare_row, torch.int64),
+                    truncation=truncation,
+                ),
+            )  # fmt: skip
+
     def loaded_traces(self) -> list[str]:
         """The samplers that run a saved trace (``saved_traces.py``), for the start-up log."""
         samplers = [*self._graph_samplers.values(), *self._graph_full_samplers.values()]

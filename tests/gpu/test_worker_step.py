@@ -127,7 +127,14 @@ def test_many_overlapping_steps_match_generate_on_cuda(
 
 def _compiled_kernel_variants() -> int:
     """Variants Triton has compiled of our kernels in this process, on every device."""
-    from cbpipe.worker.kernels import cache_write, greedy_sample, paged_decode, paged_prefill
+    from cbpipe.worker.kernels import (
+        cache_write,
+        full_sample,
+        greedy_sample,
+        paged_decode,
+        paged_prefill,
+        truncation,
+    )
 
     kernels = (
         paged_decode._split_kv_kernel,
@@ -136,6 +143,11 @@ def _compiled_kernel_variants() -> int:
         cache_write._write_kv_kernel,
         greedy_sample._piece_kernel,
         greedy_sample._merge_kernel,
+        full_sample._prepare_kernel,
+        full_sample._min_p_kernel,
+        full_sample._draw_kernel,
+        full_sample._merge_kernel,
+        truncation._top_k_top_p_kernel,
     )
     total = 0
     for kernel in kernels:
@@ -151,9 +163,12 @@ def _compiled_kernel_variants() -> int:
 )
 def test_no_kernel_compiles_while_serving_after_warm_up(block_size: int, compiled: bool) -> None:
     """Start-up's warm-up compiles every kernel variant eager steps meet, so none stalls a
-    running server (the first H200 runs spent 1.3-1.7 s per new variant mid-run). Compiled,
-    the eager steps run the decode graphs' compiled layers, and dynamo compiles nothing
-    after the start either."""
+    running server (the first H200 runs spent 1.3-1.7 s per new variant mid-run; an 8B
+    run's first top-p request 1.7 s, its prefill sampling one row where the full sampler's
+    graphs start at eight). The requests are greedy, sampled, and fully processed (top-p,
+    min-p, penalties), so eager steps sample any number of rows each way. Compiled, the
+    eager steps run the decode graphs' compiled layers, and dynamo compiles nothing after
+    the start either."""
     from cbpipe.worker.compiling import dynamo_graphs
 
     source = resolve_model(EMBEDDED)
@@ -179,8 +194,15 @@ def test_no_kernel_compiles_while_serving_after_warm_up(block_size: int, compile
             [rng.randrange(3, source.config.vocab_size) for _ in range(rng.randint(1, 300))]
             for _ in range(40)
         ]
+        kinds = [
+            {},
+            {"temperature": 0.8, "seed": 3},
+            {"temperature": 0.7, "top_p": 0.9},
+            {"temperature": 1.0, "min_p": 0.05, "presence_penalty": 0.5},
+        ]
         params = [
-            SamplingParams(max_new_tokens=rng.randint(1, 30), ignore_eos=True) for _ in prompts
+            SamplingParams(max_new_tokens=rng.randint(1, 30), ignore_eos=True, **kinds[i % 4])
+            for i in range(len(prompts))
         ]
         engine.generate(prompts, params, mode="random", rng=random.Random(2))
         assert _compiled_kernel_variants() == after_start

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cbpipe.worker.kernels.tiles import jit_varying
 from cbpipe.worker.kernels.truncation import float_key, kept
 
 # Elements a program reads per step, and whole tiles a piece: 63 pieces of Llama 3's row, so
@@ -51,6 +52,13 @@ MAX_PIECES = 256
 
 # stats rows of ``prepare``'s ``[5, rows, pieces]`` float32 output
 RAW_MAX, RAW_SUM, PROCESSED_MAX, SCALED_MAX, PROCESSED_ARG = range(5)
+
+# Every kernel takes the batch's row count, which an eager step (a prefill's, a mixed step's
+# hand-off) gives as whatever number of sequences samples: specialised, a row count of 1 or
+# a multiple of 16 that no graph bucket had compiled a variant for while a server ran (1.7 s
+# of an 8B run's first request, docs/PERFORMANCE.md). The vocabulary and strides are the
+# model's and stay fixed.
+_jit = jit_varying("rows")
 
 
 def num_pieces(vocab: int, tile: int = TILE, tiles_per_piece: int = TILES_PER_PIECE) -> int:
@@ -84,7 +92,7 @@ def _fold_arg(m, arg, x, idx):
     return tl.maximum(m, x), tl.where(larger, idx, arg)
 
 
-@triton.jit
+@_jit
 def _prepare_kernel(
     logits_ptr,
     bias_ptr,
@@ -168,7 +176,7 @@ def _row_scaled_max(stats_ptr, row, rows, pieces, PIECES_PAD: tl.constexpr):
     return tl.max(tl.load(stats_ptr + part, mask=at < pieces, other=float("-inf")), 0)
 
 
-@triton.jit
+@_jit
 def _min_p_kernel(
     scaled_ptr,
     stats_ptr,
@@ -216,7 +224,7 @@ def _row_key(seed_ptr, output_index_ptr, row):
     return _mix32(key ^ _mix32(index))
 
 
-@triton.jit
+@_jit
 def _draw_kernel(
     scaled_ptr,
     stats_ptr,
@@ -277,7 +285,7 @@ def _first_best(values_ptr, args_ptr, at, ok, vocab):
     return tl.min(tl.where(values == tl.max(values, 0), args, vocab), 0).to(tl.int64)
 
 
-@triton.jit
+@_jit
 def _merge_kernel(
     logits_ptr,
     stats_ptr,
