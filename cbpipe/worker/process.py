@@ -323,6 +323,10 @@ def _keep_beating(beat: Callable[[], None]) -> None:
 
 
 def _serve(steps: zmq.Socket, runner: StepRunner, outbox: queue.Queue) -> None:
+    if runner.cuda:
+        from cbpipe.worker.kernels.jit import warn_of_compiles
+
+        warn_of_compiles()
     profiler = StepProfiler.from_env()
     collector = CollectorPacing()
     collector.start()

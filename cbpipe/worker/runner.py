@@ -365,7 +365,7 @@ class StepRunner:
         Triton compiles a kernel on the host the first time a launch needs a new variant
         (tile sizes follow the longest query; whether a decode splits its keys follows the
         batch size; arguments that change between steps are not specialised, see
-        ``kernels.tiles.jit_varying``), for a second or more each: in an H200 run the first
+        ``kernels.jit.jit_varying``), for a second or more each: in an H200 run the first
         prefill steps took 1.3-1.7 s instead of 70 ms, with the device idle. So each eager
         step's variants are met here: one decode row beside a prefill of every power-of-two
         length up to the step's token budget, and decode-only steps of every power-of-two

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cbpipe.worker.kernels.tiles import jit_varying
+from cbpipe.worker.kernels.jit import jit_varying
 
 
 # The new rows are views into buffers whose offsets and strides follow the step's row count

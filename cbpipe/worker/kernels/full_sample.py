@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cbpipe.worker.kernels.tiles import jit_varying
+from cbpipe.worker.kernels.jit import jit_varying
 from cbpipe.worker.kernels.truncation import float_key, kept
 
 # Elements a program reads per step, and whole tiles a piece: 63 pieces of Llama 3's row, so

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cbpipe.worker.kernels.tiles import jit_varying
+from cbpipe.worker.kernels.jit import jit_varying
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Launch settings, not yet timed on a GPU (module attributes, for a benchmark to override).

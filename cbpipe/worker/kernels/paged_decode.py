@@ -69,7 +69,8 @@ from cbpipe.worker.kernels.checks import (
     output_for,
     reference_scores,
 )
-from cbpipe.worker.kernels.tiles import attend_key, attend_tiles, jit_varying
+from cbpipe.worker.kernels.jit import jit_varying
+from cbpipe.worker.kernels.tiles import attend_key, attend_tiles
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16

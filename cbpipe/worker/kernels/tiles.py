@@ -18,28 +18,8 @@ them runs exactly the code it ran before they existed:
 
 from __future__ import annotations
 
-import inspect
-
 import triton
 import triton.language as tl
-
-_JIT_PARAMETERS = inspect.signature(triton.jit).parameters
-
-
-def jit_varying(*names: str):  # type: ignore[no-untyped-def]
-    """``triton.jit`` that does not specialise the arguments ``names`` on their values.
-
-    Triton compiles a variant per value class of an integer (equal to 1, divisible by 16) and
-    per alignment of a pointer (16 bytes). Arguments that change from step to step (a
-    block-table width, a split count, metadata pointers offset by the number of decode rows)
-    would otherwise compile new variants while a server runs, a second or more each with the
-    device idle. Older Triton has no ``do_not_specialize_on_alignment``; there
-    ``do_not_specialize`` covers both.
-    """
-    options = {"do_not_specialize": list(names)}
-    if "do_not_specialize_on_alignment" in _JIT_PARAMETERS:
-        options["do_not_specialize_on_alignment"] = list(names)
-    return triton.jit(**options)
 
 
 @triton.jit
