@@ -318,7 +318,7 @@ if want tests; then
             test_paths+=(tests/unit/test_paged_decode_kernel.py tests/unit/test_paged_prefill_kernel.py
                 tests/unit/test_cache_write_kernel.py tests/unit/test_greedy_sample_kernel.py
                 tests/unit/test_truncation_kernel.py tests/unit/test_full_sample_kernel.py
-                tests/unit/test_sampler.py)
+                tests/unit/test_state_counts_kernel.py tests/unit/test_sampler.py)
         else
             test_paths+=("$path")
         fi
@@ -628,7 +628,8 @@ if want truncation; then
         echo "exit code ${PIPESTATUS[0]}"
         section "truncation and sampler kernels GPU tests"
         timeout -k 30 "$TEST_TIMEOUT" "$PY" -m pytest tests/unit/test_truncation_kernel.py \
-            tests/unit/test_full_sample_kernel.py tests/unit/test_sampler.py -m gpu \
+            tests/unit/test_full_sample_kernel.py tests/unit/test_state_counts_kernel.py \
+            tests/unit/test_sampler.py -m gpu \
             -q --durations=5 2>&1
         echo "exit code ${PIPESTATUS[0]}"
     } 2>&1 | tee "$OUT/truncation.log"

@@ -157,7 +157,26 @@ class SamplingState:
         num_prompt_tokens: torch.Tensor,  # [tokens] of each row's sequence
     ) -> None:
         """Mark the rows' tokens not yet counted as seen, and those past the prompt (outputs
-        recomputed after a preemption) as outputs."""
+        recomputed after a preemption) as outputs. On CUDA one kernel
+        (``kernels/state_counts.py``) where these torch operations are a dozen."""
+        if self.seen.is_cuda:
+            from cbpipe.worker.kernels.state_counts import count_inputs_triton
+
+            count_inputs_triton(
+                self.seen, self.output_counts, self.num_counted, rows, token_ids, positions,
+                num_prompt_tokens,
+            )  # fmt: skip
+            return
+        self.count_inputs_reference(rows, token_ids, positions, num_prompt_tokens)
+
+    def count_inputs_reference(
+        self,
+        rows: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        num_prompt_tokens: torch.Tensor,
+    ) -> None:
+        """``count_inputs`` in torch: the definition, and the path off CUDA."""
         new = positions >= self.num_counted[rows]
         vocab = self.vocab
         spare = self.spare_row * vocab
@@ -174,6 +193,26 @@ class SamplingState:
         context_lens: torch.Tensor,  # [seqs] KV length once the step's rows are written
         samples: torch.Tensor,  # [seqs] bool: the sequence's sampled token is an output
     ) -> None:
+        """Count each sampled output as seen and output, and move ``num_counted`` past what
+        each sequence has counted. On CUDA one kernel, as ``count_inputs``."""
+        if self.seen.is_cuda:
+            from cbpipe.worker.kernels.state_counts import count_sampled_triton
+
+            count_sampled_triton(
+                self.seen, self.output_counts, self.num_counted, rows, sampled_ids,
+                context_lens, samples,
+            )  # fmt: skip
+            return
+        self.count_sampled_reference(rows, sampled_ids, context_lens, samples)
+
+    def count_sampled_reference(
+        self,
+        rows: torch.Tensor,
+        sampled_ids: torch.Tensor,
+        context_lens: torch.Tensor,
+        samples: torch.Tensor,
+    ) -> None:
+        """``count_sampled`` in torch: the definition, and the path off CUDA."""
         vocab = self.vocab
         flat = torch.where(samples, rows * vocab + sampled_ids, self.spare_row * vocab)
         self.seen.view(-1).scatter_(0, flat, True)

@@ -142,7 +142,8 @@ class StepSampling:
         kind compiles nothing: a prefill or mixed step samples through these, where the
         decode graphs (when there are any) compiled their own variants at capture. The
         kernels do not specialise on the row count (``kernels/full_sample.py``), so one row
-        stands for every batch. Reads the spare state row only; writes nothing kept."""
+        stands for every batch. Of the state, touches the spare row only, which no request
+        reads: the counts' updates run on it too."""
         logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)
 
         def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -151,6 +152,15 @@ class StepSampling:
         seed, output_index = column(0, torch.int64), column(0, torch.int32)
         sample(logits, SamplingInputs(column(1.0), seed, output_index, all_greedy=False))
         state = self.state
+        spare = column(state.spare_row, torch.int64)
+        token, position, count = (
+            column(0, torch.int64),
+            column(0, torch.int64),
+            column(0, torch.int32),
+        )
+        # The slot's dtypes, of which the kernels compile a variant each.
+        state.count_inputs(spare, token, position, num_prompt_tokens=count)
+        state.count_sampled(spare, token, context_lens=count, samples=column(1, torch.bool))
         for truncation in (False, True):
             sample_full(
                 logits,
@@ -161,7 +171,7 @@ class StepSampling:
                     temperature=column(1.0), top_p=column(0.9), top_k=column(0, torch.int32),
                     min_p=column(0.1), presence_penalty=column(0.0),
                     frequency_penalty=column(0.0), repetition_penalty=column(1.0), seed=seed,
-                    output_index=output_index, rows=column(state.spare_row, torch.int64),
+                    output_index=output_index, rows=spare,
                     truncation=truncation,
                 ),
             )  # fmt: skip

@@ -133,6 +133,7 @@ def _compiled_kernel_variants() -> int:
         greedy_sample,
         paged_decode,
         paged_prefill,
+        state_counts,
         truncation,
     )
 
@@ -148,6 +149,8 @@ def _compiled_kernel_variants() -> int:
         full_sample._draw_kernel,
         full_sample._merge_kernel,
         truncation._top_k_top_p_kernel,
+        state_counts._count_inputs_kernel,
+        state_counts._count_sampled_kernel,
     )
     total = 0
     for kernel in kernels:
