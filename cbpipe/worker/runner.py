@@ -389,7 +389,7 @@ class StepRunner:
         with self._on(self.compute_stream):  # the slot's fills and the steps, in order
             for num_decodes, prefill_len in shapes:
                 self._run_padding_step(num_decodes, prefill_len)
-            self.sampling.warm_up_eager(self.sampling.state.vocab, self.device)
+            self.sampling.warm_up_eager()
             if self.cuda:
                 with products_on(self._eager_blas):
                     num_products = warm_product_plans(

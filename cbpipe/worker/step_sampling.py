@@ -137,30 +137,28 @@ class StepSampling:
             for truncation, trace in _FULL_TRACES.items()
         }
 
-    def warm_up_eager(self, vocab: int, device: torch.device) -> None:
+    def warm_up_eager(self) -> None:
         """Run each eager sampler once on a row of zeros, so that the first request of each
         kind compiles nothing: a prefill or mixed step samples through these, where the
         decode graphs (when there are any) compiled their own variants at capture. The
         kernels do not specialise on the row count (``kernels/full_sample.py``), so one row
         stands for every batch. Of the state, touches the spare row only, which no request
         reads: the counts' updates run on it too."""
-        logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+        state = self.state
+        device = state.bias.device
+        logits = torch.zeros(1, state.vocab, dtype=torch.float32, device=device)
 
         def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.full((1,), value, dtype=dtype, device=device)
 
-        seed, output_index = column(0, torch.int64), column(0, torch.int32)
+        # Zeros in the slot's dtypes (ids and positions int64, the rest int32), of which the
+        # kernels compile a variant each.
+        zero64, zero32 = column(0, torch.int64), column(0, torch.int32)
+        seed, output_index = zero64, zero32
         sample(logits, SamplingInputs(column(1.0), seed, output_index, all_greedy=False))
-        state = self.state
         spare = column(state.spare_row, torch.int64)
-        token, position, count = (
-            column(0, torch.int64),
-            column(0, torch.int64),
-            column(0, torch.int32),
-        )
-        # The slot's dtypes, of which the kernels compile a variant each.
-        state.count_inputs(spare, token, position, num_prompt_tokens=count)
-        state.count_sampled(spare, token, context_lens=count, samples=column(1, torch.bool))
+        state.count_inputs(spare, zero64, zero64, num_prompt_tokens=zero32)
+        state.count_sampled(spare, zero64, context_lens=zero32, samples=column(1, torch.bool))
         for truncation in (False, True):
             sample_full(
                 logits,

@@ -95,13 +95,10 @@ def count_inputs_triton(
     num_prompt_tokens: torch.Tensor,
 ) -> None:
     """``SamplingState.count_inputs`` on the state's tables, in place."""
-    n = rows.shape[0]
-    if n:
-        _count_inputs_kernel[(triton.cdiv(n, _BLOCK),)](
-            seen.view(torch.uint8), output_counts, num_counted, rows.contiguous(),
-            token_ids.contiguous(), positions.contiguous(), num_prompt_tokens.contiguous(), n,
-            seen.shape[1], BLOCK=_BLOCK, num_warps=4,
-        )  # fmt: skip
+    _launch(
+        _count_inputs_kernel, seen, output_counts, num_counted,
+        rows, token_ids, positions, num_prompt_tokens,
+    )  # fmt: skip
 
 
 def count_sampled_triton(
@@ -114,10 +111,23 @@ def count_sampled_triton(
     samples: torch.Tensor,
 ) -> None:
     """``SamplingState.count_sampled`` on the state's tables, in place."""
-    n = rows.shape[0]
+    _launch(
+        _count_sampled_kernel, seen, output_counts, num_counted,
+        rows, sampled_ids, context_lens, samples.view(torch.uint8),
+    )  # fmt: skip
+
+
+def _launch(
+    kernel: triton.JITFunction,
+    seen: torch.Tensor,
+    output_counts: torch.Tensor,
+    num_counted: torch.Tensor,
+    *per_row: torch.Tensor,  # [n] each, read by index
+) -> None:
+    """A program per ``_BLOCK`` rows over the state's tables (``seen`` as bytes)."""
+    n = per_row[0].shape[0]
     if n:
-        _count_sampled_kernel[(triton.cdiv(n, _BLOCK),)](
-            seen.view(torch.uint8), output_counts, num_counted, rows.contiguous(),
-            sampled_ids.contiguous(), context_lens.contiguous(),
-            samples.contiguous().view(torch.uint8), n, seen.shape[1], BLOCK=_BLOCK, num_warps=4,
+        kernel[(triton.cdiv(n, _BLOCK),)](
+            seen.view(torch.uint8), output_counts, num_counted,
+            *(t.contiguous() for t in per_row), n, seen.shape[1], BLOCK=_BLOCK, num_warps=4,
         )  # fmt: skip

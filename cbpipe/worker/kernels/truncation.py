@@ -99,7 +99,6 @@ def _weight(x, row_max):
 
 # A candidate's weight, in (0, 1], in units of 2**-48: exact for weights of at least 2**-24
 # (float32's 24 bits then lie above the binary point), and CAP of them stay below 2**62.
-_MASS_BITS = 48
 _MAX_CAP = 1 << 14
 
 
