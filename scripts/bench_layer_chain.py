@@ -35,6 +35,13 @@ model's are), replayed from a CUDA graph:
   with the norm; cuBLASLt's down;
 * ``fused, cuBLASLt gate|up``: fused q|k|v and o, then the norm kernel and cuBLASLt's gate|up.
 
+* ``persistent MLP, TILES``: the engine's chain with gate|up, SiLU-and-multiply and down as
+  one kernel of one program an SM: the programs compute SiLU-and-multiply of their rows of
+  gate|up into a scratch buffer, wait at a barrier across the grid, then each computes its
+  rows of down. It asks what the fixed costs of two products and a small kernel between
+  them come to when one launch streams both weights; ``MLP in two launches`` is the same
+  code with the barrier replaced by a kernel boundary.
+
 With ``--context N`` each layer also runs the engine's decode attention (``paged_decode.py``)
 over a paged cache of its own, every sequence at N tokens, and two more chains split the
 batch in halves: ``engine, halves in turn`` (each layer on one half, then on the other: every
@@ -75,6 +82,27 @@ GATE_UP_TILES = (64, 128, 4, 4)
 # q|k|v with the boundary add streams two input tiles beside the weight's: four stages of
 # them pass the H200's 227 KiB of shared memory.
 QKV_ADD_TILES = (64, 256, 4, 3)
+
+
+class MlpTiles(NamedTuple):
+    """The MLP kernel's tiles: gate and up's intermediate rows a program and depth a step,
+    down's output rows a program and depth a step; warps, stages."""
+
+    block_i: int
+    block_k1: int
+    block_n: int
+    block_k2: int
+    warps: int
+    stages: int
+
+
+# Swept on the device (docs/PERFORMANCE.md, session 41): at the 8B's 32 rows, 112 programs of
+# 128 intermediate rows, then 128 of 32 output rows.
+MLP_TILES = {
+    "k64 x4": MlpTiles(128, 64, 32, 256, 4, 4),
+    "k128 x3": MlpTiles(128, 128, 32, 256, 4, 3),
+    "k64 x4, 8 warps": MlpTiles(128, 64, 32, 256, 8, 4),
+}
 # The products hold all the batch's rows in one tile, beside the weight's: past this many,
 # their tiles outgrow shared memory.
 MAX_TRITON_ROWS = 64
@@ -89,6 +117,7 @@ class _Kernels(NamedTuple):
     norm_product: Any
     rms_norm: Any
     elementwise: Any
+    mlp: Any
 
 
 @functools.cache
@@ -190,7 +219,70 @@ def _kernels() -> _Kernels:
             y = a + tl.load(b_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
-    return _Kernels(product_kernel, norm_product_kernel, rms_norm_kernel, elementwise_kernel)
+    @triton.jit
+    def mlp_kernel(
+        x_ptr, gate_up_ptr, down_ptr, act_ptr, out_ptr, sync_ptr, rows,
+        H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+        BLOCK_K1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K2: tl.constexpr,
+        PHASES: tl.constexpr,
+    ):  # fmt: skip
+        """The MLP, act = silu(x @ gate.T) * (x @ up.T) then out = act @ down.T, by the
+        programs of one launch (PHASES 3: the two halves on either side of a barrier across
+        the grid, every program resident) or of two (PHASES 1, then 2)."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        rm = tl.arange(0, BLOCK_M)
+        row_ok = (rm < rows)[None, :]
+        if PHASES & 1:
+            rk = tl.arange(0, BLOCK_K1)
+            for item in range(pid, INTER // BLOCK_I, programs):
+                ri = item * BLOCK_I + tl.arange(0, BLOCK_I)
+                gate = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
+                up = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
+                for k in range(0, H, BLOCK_K1):
+                    x = tl.load(x_ptr + rm[None, :] * H + (k + rk)[:, None], mask=row_ok, other=0.0)
+                    w_gate = tl.load(gate_up_ptr + ri[:, None] * H + (k + rk)[None, :])
+                    w_up = tl.load(gate_up_ptr + (INTER + ri)[:, None] * H + (k + rk)[None, :])
+                    gate = tl.dot(w_gate, x, gate)
+                    up = tl.dot(w_up, x, up)
+                # Rounded where eager rounds: each product, SiLU's result, the multiply's.
+                dtype = act_ptr.dtype.element_ty
+                g = gate.to(dtype).to(tl.float32)
+                silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+                act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+                tl.store(act_ptr + rm[None, :] * INTER + ri[:, None], act, mask=row_ok)
+        if PHASES == 3:
+            # A barrier across the grid: the last program to arrive resets the count and
+            # moves the generation on; the others wait for that. The generation is read
+            # before arriving, and only the last arrival changes it.
+            generation = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            tl.debug_barrier()  # every thread's stores of act before the arrival
+            arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+            if arrived == programs - 1:
+                tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+                tl.atomic_add(sync_ptr + 1, 1, sem="release")
+            else:
+                while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") == generation:
+                    pass
+            tl.debug_barrier()
+        if PHASES & 2:
+            rk = tl.arange(0, BLOCK_K2)
+            for item in range(pid, H // BLOCK_N, programs):
+                rn = item * BLOCK_N + tl.arange(0, BLOCK_N)
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for k in range(0, INTER, BLOCK_K2):
+                    w = tl.load(down_ptr + rn[:, None] * INTER + (k + rk)[None, :])
+                    a = tl.load(
+                        act_ptr + rm[None, :] * INTER + (k + rk)[:, None], mask=row_ok,
+                        other=0.0, cache_modifier=".cg",
+                    )  # fmt: skip
+                    acc = tl.dot(w, a, acc)
+                out = out_ptr + rm[None, :] * H + rn[:, None]
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    return _Kernels(
+        product_kernel, norm_product_kernel, rms_norm_kernel, elementwise_kernel, mlp_kernel
+    )
 
 
 def _whole_tiles(w: torch.Tensor, block_n: int, block_k: int) -> tuple[int, int]:
@@ -265,6 +357,47 @@ def elementwise(op: int, a: torch.Tensor, out: torch.Tensor, b: torch.Tensor | N
     )
 
 
+def mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: torch.Tensor,
+    out: torch.Tensor,
+    sync: torch.Tensor,
+    tiles: MlpTiles,
+    persistent: bool = True,
+) -> None:
+    """out = (silu(x @ gate.T) * (x @ up.T)) @ down.T, ``gate_up`` the two weights stacked
+    (gate's rows first) and ``act`` the scratch between the halves. Persistent: one program
+    an SM (``sync``, two int32 zeros, holds the barrier's count and generation); else two
+    launches."""
+    hidden, inter = down.shape
+    _whole_tiles(gate_up[:inter], tiles.block_i, tiles.block_k1)
+    _whole_tiles(down, tiles.block_n, tiles.block_k2)
+    first, second = inter // tiles.block_i, hidden // tiles.block_n
+    kernel = _kernels().mlp
+    args = (x, gate_up, down, act, out, sync, x.shape[0])
+    meta = dict(
+        H=hidden, INTER=inter, BLOCK_M=_block_m(x.shape[0]), BLOCK_I=tiles.block_i,
+        BLOCK_K1=tiles.block_k1, BLOCK_N=tiles.block_n, BLOCK_K2=tiles.block_k2,
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+    if persistent:
+        kernel[(min(max(first, second), _resident_programs(x.device)),)](*args, PHASES=3, **meta)
+    else:
+        kernel[(first,)](*args, PHASES=1, **meta)
+        kernel[(second,)](*args, PHASES=2, **meta)
+
+
+def _resident_programs(device: torch.device) -> int:
+    """How many programs of a persistent kernel are sure to be resident at once: one an SM
+    (its tiles need most of an SM's shared memory); 1 on the CPU, whose interpreter runs
+    programs one after another."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @dataclass
 class LayerWeights:
     qkv: torch.Tensor
@@ -304,6 +437,7 @@ class Activations:
         self.normed, self.attn, self.o = buffer(hidden), buffer(hidden), buffer(hidden)
         self.qkv, self.gate_up, self.act = buffer(qkv), buffer(2 * inter), buffer(inter)
         self.query = buffer(hidden)
+        self.sync = torch.zeros(2, dtype=torch.int32, device=device)  # the MLP's barrier
 
 
 @dataclass
@@ -370,9 +504,15 @@ def rotary_and_attention(qkv: torch.Tensor, x: Activations, attend: Attend | Non
 
 
 def engine_layer(
-    w: LayerWeights, x: Activations, triton_products: bool = False, attend: Attend | None = None
+    w: LayerWeights,
+    x: Activations,
+    triton_products: bool = False,
+    attend: Attend | None = None,
+    mlp_tiles: MlpTiles | None = None,
+    persistent: bool = True,
 ) -> None:
-    """The worker's compiled layer, with attention or without."""
+    """The worker's compiled layer, with attention or without; with ``mlp_tiles`` its MLP
+    (gate|up, SiLU-and-multiply, down) is this script's MLP kernel."""
 
     def linear(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles) -> torch.Tensor:
         if not triton_products:
@@ -385,9 +525,12 @@ def engine_layer(
     rotary_and_attention(qkv, x, attend)
     o = linear(x.attn, w.o, x.o, O_TILES)
     rms_norm(o, w.post_norm, x.normed, residual=x.hidden, total=x.residual)
-    gate_up = linear(x.normed, w.gate_up, x.gate_up, GATE_UP_TILES)
-    elementwise(SILU_AND_MULTIPLY, gate_up, x.act)
-    torch.mm(x.act, w.down.t(), out=x.mlp_out)
+    if mlp_tiles is not None:
+        mlp(x.normed, w.gate_up, w.down, x.act, x.mlp_out, x.sync, mlp_tiles, persistent)
+    else:
+        gate_up = linear(x.normed, w.gate_up, x.gate_up, GATE_UP_TILES)
+        elementwise(SILU_AND_MULTIPLY, gate_up, x.act)
+        torch.mm(x.act, w.down.t(), out=x.mlp_out)
     elementwise(ADD, x.residual, x.hidden, x.mlp_out)  # the boundary add
 
 
@@ -504,6 +647,22 @@ def self_check() -> None:
     elementwise(ADD, a, half, b)
     close(half, a.float() + b.float(), "add")
 
+    inter = 128
+    gate_up = (torch.randn(2 * inter, hidden, device=device) * 0.1).to(dtype)
+    down = (torch.randn(hidden, inter, device=device) * 0.1).to(dtype)
+    act = torch.empty(rows, inter, device=device, dtype=dtype)
+    mlp_out = torch.empty(rows, hidden, device=device, dtype=dtype)
+    sync = torch.zeros(2, dtype=torch.int32, device=device)
+    both = (a @ gate_up.T).float()
+    want_act = (F.silu(both[:, :inter]) * both[:, inter:]).to(dtype)
+    for persistent in (True, False):
+        mlp_out.zero_()
+        mlp(a, gate_up, down, act, mlp_out, sync, MlpTiles(32, 64, 64, 64, 1, 1), persistent)
+        how = "one launch" if persistent else "two launches"
+        close(mlp_out, want_act.float() @ down.float().T, f"the MLP in {how}")
+    if device == "cuda":  # each launch passed the barrier once, and left its count at zero
+        assert sync.tolist() == [0, 1], sync.tolist()
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -569,6 +728,14 @@ def main(argv: list[str] | None = None) -> int:
         "fused": lambda w, x, a: fused_layer(w, x, attend=a),
         "fused, cuBLASLt gate|up": lambda w, x, a: fused_layer(w, x, fuse_gate_up=False, attend=a),
     }
+    for tiles_name, tiles in MLP_TILES.items():
+        layer_kinds[f"persistent MLP, {tiles_name}"] = functools.partial(
+            lambda w, x, a, t: engine_layer(w, x, attend=a, mlp_tiles=t), t=tiles
+        )
+    layer_kinds["MLP in two launches, " + next(iter(MLP_TILES))] = functools.partial(
+        lambda w, x, a, t: engine_layer(w, x, attend=a, mlp_tiles=t, persistent=False),
+        t=next(iter(MLP_TILES.values())),
+    )
 
     batch = Activations(args.rows, hidden, qkv, inter, device, dtype)  # the chains take turns
 
