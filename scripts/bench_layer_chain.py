@@ -86,7 +86,8 @@ QKV_ADD_TILES = (64, 256, 4, 3)
 
 class MlpTiles(NamedTuple):
     """The MLP kernel's tiles: gate and up's intermediate rows a program and depth a step,
-    down's output rows a program and depth a step; warps, stages."""
+    down's output rows a program and depth a step; warps, stages; down's tiles a program
+    asks the L2 for before the barrier."""
 
     block_i: int
     block_k1: int
@@ -94,6 +95,7 @@ class MlpTiles(NamedTuple):
     block_k2: int
     warps: int
     stages: int
+    prefetch: int = 0
 
 
 # Swept on the device (docs/PERFORMANCE.md, session 41): at the 8B's 32 rows, 112 programs of
@@ -102,6 +104,8 @@ MLP_TILES = {
     "k64 x4": MlpTiles(128, 64, 32, 256, 4, 4),
     "k128 x3": MlpTiles(128, 128, 32, 256, 4, 3),
     "k64 x4, 8 warps": MlpTiles(128, 64, 32, 256, 8, 4),
+    "k64 x4, 4 tiles prefetched": MlpTiles(128, 64, 32, 256, 4, 4, prefetch=4),
+    "k64 x4, 16 tiles prefetched": MlpTiles(128, 64, 32, 256, 4, 4, prefetch=16),
 }
 # The products hold all the batch's rows in one tile, beside the weight's: past this many,
 # their tiles outgrow shared memory.
@@ -224,11 +228,14 @@ def _kernels() -> _Kernels:
         x_ptr, gate_up_ptr, down_ptr, act_ptr, out_ptr, sync_ptr, rows,
         H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
         BLOCK_K1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K2: tl.constexpr,
-        PHASES: tl.constexpr,
+        PHASES: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """The MLP, act = silu(x @ gate.T) * (x @ up.T) then out = act @ down.T, by the
         programs of one launch (PHASES 3: the two halves on either side of a barrier across
-        the grid, every program resident) or of two (PHASES 1, then 2)."""
+        the grid, every program resident) or of two (PHASES 1, then 2). With PREFETCH, each
+        program asks the L2 for its first PREFETCH tiles of down before the barrier, so that
+        the time the grid waits there streams weight; the weights are read evict-first, so
+        the gate|up stream does not push those tiles out."""
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         rm = tl.arange(0, BLOCK_M)
@@ -241,8 +248,14 @@ def _kernels() -> _Kernels:
                 up = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
                 for k in range(0, H, BLOCK_K1):
                     x = tl.load(x_ptr + rm[None, :] * H + (k + rk)[:, None], mask=row_ok, other=0.0)
-                    w_gate = tl.load(gate_up_ptr + ri[:, None] * H + (k + rk)[None, :])
-                    w_up = tl.load(gate_up_ptr + (INTER + ri)[:, None] * H + (k + rk)[None, :])
+                    w_gate = tl.load(
+                        gate_up_ptr + ri[:, None] * H + (k + rk)[None, :],
+                        eviction_policy="evict_first",
+                    )
+                    w_up = tl.load(
+                        gate_up_ptr + (INTER + ri)[:, None] * H + (k + rk)[None, :],
+                        eviction_policy="evict_first",
+                    )
                     gate = tl.dot(w_gate, x, gate)
                     up = tl.dot(w_up, x, up)
                 # Rounded where eager rounds: each product, SiLU's result, the multiply's.
@@ -251,6 +264,16 @@ def _kernels() -> _Kernels:
                 silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
                 act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
                 tl.store(act_ptr + rm[None, :] * INTER + ri[:, None], act, mask=row_ok)
+        if PREFETCH > 0 and PHASES == 3:
+            # One address a 128-byte line: 64 elements of a 16-bit weight.
+            lines = tl.arange(0, PREFETCH * BLOCK_K2 // 64) * 64
+            for item in range(pid, H // BLOCK_N, programs):
+                rows_n = item * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                    [down_ptr + rows_n[:, None] * INTER + lines[None, :]],
+                    dtype=tl.int32, is_pure=False, pack=1,
+                )  # fmt: skip
         if PHASES == 3:
             # A barrier across the grid: the last program to arrive resets the count and
             # moves the generation on; the others wait for that. The generation is read
@@ -271,7 +294,10 @@ def _kernels() -> _Kernels:
                 rn = item * BLOCK_N + tl.arange(0, BLOCK_N)
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for k in range(0, INTER, BLOCK_K2):
-                    w = tl.load(down_ptr + rn[:, None] * INTER + (k + rk)[None, :])
+                    w = tl.load(
+                        down_ptr + rn[:, None] * INTER + (k + rk)[None, :],
+                        eviction_policy="evict_first",
+                    )
                     a = tl.load(
                         act_ptr + rm[None, :] * INTER + (k + rk)[:, None], mask=row_ok,
                         other=0.0, cache_modifier=".cg",
@@ -380,6 +406,7 @@ def mlp(
     meta = dict(
         H=hidden, INTER=inter, BLOCK_M=_block_m(x.shape[0]), BLOCK_I=tiles.block_i,
         BLOCK_K1=tiles.block_k1, BLOCK_N=tiles.block_n, BLOCK_K2=tiles.block_k2,
+        PREFETCH=tiles.prefetch if persistent and x.device.type == "cuda" else 0,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     if persistent:
@@ -783,6 +810,12 @@ def main(argv: list[str] | None = None) -> int:
         chains[TWO_STREAMS] = halves_on_two_streams
 
     results: dict[str, list[float]] = {name: [] for name in chains}
+    for name, chain in list(chains.items()):  # a chain that fails to build is reported, not fatal
+        try:
+            captured(chain)
+        except Exception as exc:  # noqa: BLE001 (Triton's and CUDA's errors have no common base)
+            print(f"{name}: failed, {type(exc).__name__}: {str(exc)[:400]}")
+            del chains[name], results[name]
     for _ in range(2):  # twice, alternating, so a host's drift shows as a spread
         for name, chain in chains.items():
             results[name].append(graph_us(chain) / args.layers)
