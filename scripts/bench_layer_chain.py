@@ -98,13 +98,11 @@ class MlpTiles(NamedTuple):
     prefetch: int = 0
 
 
-# Swept on the device (docs/PERFORMANCE.md, session 41): at the 8B's 32 rows, 112 programs of
-# 128 intermediate rows, then 128 of 32 output rows.
+# At the 8B's 32 rows, 112 programs of 128 intermediate rows, then 128 of 32 output rows;
+# the others as measured beside it (docs/PERFORMANCE.md, session 41: on an H100 the barrier
+# cost 2.8 us more than the kernel boundary it replaces, prefetched tiles or not).
 MLP_TILES = {
     "k64 x4": MlpTiles(128, 64, 32, 256, 4, 4),
-    "k128 x3": MlpTiles(128, 128, 32, 256, 4, 3),
-    "k64 x4, 8 warps": MlpTiles(128, 64, 32, 256, 8, 4),
-    "k64 x4, 4 tiles prefetched": MlpTiles(128, 64, 32, 256, 4, 4, prefetch=4),
     "k64 x4, 16 tiles prefetched": MlpTiles(128, 64, 32, 256, 4, 4, prefetch=16),
 }
 # The products hold all the batch's rows in one tile, beside the weight's: past this many,
