@@ -50,7 +50,11 @@ the first, on a stream of its own). At a large batch of a small model the produc
 the ridge of compute and bandwidth while attention is bound by the cache's bytes; the second
 asks whether one half's attention beside the other's products buys back more than the
 second weight read costs. ``--kernels`` prints each one-stream chain's kernels a layer as
-the profiler sees one replay.
+the profiler sees one replay. ``--cache-layouts`` (with ``--context``) times the engine's
+chain alone over three caches: as the engine lays it out (a slot's KV heads side by side, so
+a program of two heads at head_dim 64 reads 256 bytes a key), the same with one head a
+program, and head-major (each head's slots together: a block of 16 keys of one head is one
+run of 2 KB at head_dim 64), through the same kernel by its strides.
 
 The products tile the weight's rows across programs and keep the batch's rows whole and the
 full depth in one loop (the weight is the operand that streams; the rows stay in L2).
@@ -485,18 +489,23 @@ class Attention:
     and values are not stored, which the engine does in the same launch."""
 
     def __init__(self, rows: int, context: int, heads: int, kv_heads: int, head_dim: int,
-                 layers: int, device: str, dtype) -> None:  # fmt: skip
+                 layers: int, device: str, dtype, head_major: bool = False,
+                 heads_per_program: int | None = None) -> None:  # fmt: skip
         block = 16
         width = -(-context // block)
         blocks = rows * width
         self.heads, self.head_dim, self.block = heads, head_dim, block
-        self.caches = [
-            (
-                torch.randn(blocks * block, kv_heads, head_dim, device=device, dtype=dtype),
-                torch.randn(blocks * block, kv_heads, head_dim, device=device, dtype=dtype),
-            )
-            for _ in range(layers)
-        ]
+        self.heads_per_program = heads_per_program
+
+        def cache() -> torch.Tensor:
+            """``[slots, kv_heads, head_dim]`` as the engine has it, or a view of a head-major
+            cache (each head's slots together: a block of one head one contiguous run)."""
+            if head_major:
+                planes = torch.randn(kv_heads, blocks * block, head_dim, device=device)
+                return planes.to(dtype).permute(1, 0, 2)
+            return torch.randn(blocks * block, kv_heads, head_dim, device=device, dtype=dtype)
+
+        self.caches = [(cache(), cache()) for _ in range(layers)]
         self.sequences = Sequences(
             torch.randperm(blocks, device=device).to(torch.int32),
             torch.tensor([width], device=device),
@@ -511,6 +520,7 @@ class Attention:
         paged_decode_attention(
             x.query.view(rows, self.heads, self.head_dim), keys, values, seqs.block_tables,
             seqs.width, seqs.context_lens, block_size=self.block, scale=self.head_dim**-0.5,
+            heads_per_program=self.heads_per_program,
             out=x.attn.view(rows, self.heads, self.head_dim),
         )  # fmt: skip
 
@@ -703,6 +713,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernels", action="store_true", help="also each chain's kernels, from the profiler"
     )
+    parser.add_argument(
+        "--cache-layouts", action="store_true",
+        help="with --context, only the engine's chain over the cache as the engine lays it "
+        "out (its heads side by side, two a program at head_dim 64), one head a program, "
+        "and a head-major cache (each head's slots together)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.self_check:
         self_check()
@@ -732,16 +748,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.context}")  # fmt: skip
 
     def attend(
-        layer: int, seqs: Sequences | None = None, then: torch.cuda.Event | None = None
+        layer: int,
+        seqs: Sequences | None = None,
+        then: torch.cuda.Event | None = None,
+        over: Attention | None = None,
     ) -> Attend | None:
-        """Layer ``layer``'s attention over ``seqs`` (all of them by default), recording the
-        event ``then`` after it."""
+        """Layer ``layer``'s attention (``over`` another cache than the engine's) over
+        ``seqs`` (all of them by default), recording the event ``then`` after it."""
         if attention is None:
             return None
-        chosen = attention.sequences if seqs is None else seqs
+        cache = over or attention
+        chosen = cache.sequences if seqs is None else seqs
 
         def run(x: Activations) -> None:
-            attention(layer, x, chosen)
+            cache(layer, x, chosen)
             if then is not None:
                 then.record()
 
@@ -771,14 +791,35 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    if args.rows > MAX_TRITON_ROWS:
-        print(f"the Triton products keep every row in one tile: at {args.rows} rows only the "
-              "engine's chains run")  # fmt: skip
+    if args.rows > MAX_TRITON_ROWS or args.cache_layouts:
+        if not args.cache_layouts:
+            print(f"the Triton products keep every row in one tile: at {args.rows} rows only "
+                  "the engine's chains run")  # fmt: skip
         layer_kinds = {"engine": layer_kinds["engine"]}
     chains: dict[str, Callable[[], None]] = {
         name: whole_batch(kind) for name, kind in layer_kinds.items()
     }
-    if attention is not None:
+    if attention is not None and args.cache_layouts:
+        layouts = {
+            "engine, 1 head a program": Attention(
+                args.rows, args.context, heads, kv_heads, head_dim, args.layers, device, dtype,
+                heads_per_program=1,
+            ),
+            "engine, head-major cache": Attention(
+                args.rows, args.context, heads, kv_heads, head_dim, args.layers, device, dtype,
+                head_major=True,
+            ),
+        }  # fmt: skip
+
+        def over_cache(cache: Attention) -> Callable[[], None]:
+            def run() -> None:
+                for i, w in enumerate(weights):
+                    engine_layer(w, batch, attend=attend(i, over=cache))
+
+            return run
+
+        chains.update((name, over_cache(cache)) for name, cache in layouts.items())
+    elif attention is not None:
         # The batch in two halves: each product reads its weight twice, but one half's
         # attention, bound by the cache's bytes, can run beside the other's products.
         half = args.rows // 2

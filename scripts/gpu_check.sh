@@ -19,7 +19,9 @@
 #            the engine's chain (cuBLASLt's products, inductor-like small kernels) against
 #            Triton products with the norms and residual adds fused in, each chain's kernels
 #            from the profiler; with CHAIN_CONTEXT>0 attention too (every sequence at that
-#            many tokens), and the batch in two halves, in turn and on two streams (~1 min)
+#            many tokens), and the batch in two halves, in turn and on two streams;
+#            CHAIN_FLAGS more flags, word-split (--cache-layouts: with CHAIN_CONTEXT, the
+#            engine's chain over three layouts of the KV cache instead)          (~1 min)
 #   step     one decode step of random:llama-8b at batch 32 (context 4096) from a CUDA graph,
 #            with and without --fuse-projections                                 (~1 min)
 #   layout   the step part's graph step with each sequence's KV blocks together, then laid
@@ -396,7 +398,7 @@ if want chain; then
         timeout -k 10 "${CHAIN_TIMEOUT:-240}" "$PY" scripts/bench_layer_chain.py \
             --model "${CHAIN_MODEL:-random:llama-8b}" --rows "${CHAIN_ROWS:-32}" \
             --layers "${CHAIN_LAYERS:-32}" --context "${CHAIN_CONTEXT:-0}" \
-            --kernels --json "$OUT/chain.json"
+            ${CHAIN_FLAGS:-} --kernels --json "$OUT/chain.json"
         echo "exit code $?"
     } 2>&1 | tee "$OUT/chain.log"
     rcs+=("chain=$(grep '^exit code' "$OUT/chain.log" | awk '{print $3}' | paste -sd/ -)")
