@@ -100,14 +100,20 @@ class MlpTiles(NamedTuple):
     warps: int
     stages: int
     prefetch: int = 0
+    poll_loads: bool = False  # the barrier's waiting programs poll with loads, not atomics
 
 
 # At the 8B's 32 rows, 112 programs of 128 intermediate rows, then 128 of 32 output rows;
 # the others as measured beside it (docs/PERFORMANCE.md, session 41: on an H100 the barrier
-# cost 2.8 us more than the kernel boundary it replaces, prefetched tiles or not).
+# polled with atomics cost 2.8 us more than the kernel boundary it replaces, prefetched
+# tiles or not; polled with loads, see there).
 MLP_TILES = {
     "k64 x4": MlpTiles(128, 64, 32, 256, 4, 4),
     "k64 x4, 16 tiles prefetched": MlpTiles(128, 64, 32, 256, 4, 4, prefetch=16),
+    "k64 x4, polling loads": MlpTiles(128, 64, 32, 256, 4, 4, poll_loads=True),
+    "k64 x4, polling loads, 16 tiles prefetched": MlpTiles(
+        128, 64, 32, 256, 4, 4, prefetch=16, poll_loads=True
+    ),
 }
 # The products hold all the batch's rows in one tile, beside the weight's: past this many,
 # their tiles outgrow shared memory.
@@ -230,7 +236,7 @@ def _kernels() -> _Kernels:
         x_ptr, gate_up_ptr, down_ptr, act_ptr, out_ptr, sync_ptr, rows,
         H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
         BLOCK_K1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K2: tl.constexpr,
-        PHASES: tl.constexpr, PREFETCH: tl.constexpr,
+        PHASES: tl.constexpr, PREFETCH: tl.constexpr, POLL_LOADS: tl.constexpr,
     ):  # fmt: skip
         """The MLP, act = silu(x @ gate.T) * (x @ up.T) then out = act @ down.T, by the
         programs of one launch (PHASES 3: the two halves on either side of a barrier across
@@ -286,7 +292,11 @@ def _kernels() -> _Kernels:
             if arrived == programs - 1:
                 tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
                 tl.atomic_add(sync_ptr + 1, 1, sem="release")
-            else:
+            elif POLL_LOADS:  # plain loads while waiting, one acquiring read at the end
+                while tl.load(sync_ptr + 1, volatile=True) == generation:
+                    pass
+                tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            else:  # every poll an atomic read at the one address
                 while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") == generation:
                     pass
             tl.debug_barrier()
@@ -409,6 +419,7 @@ def mlp(
         H=hidden, INTER=inter, BLOCK_M=_block_m(x.shape[0]), BLOCK_I=tiles.block_i,
         BLOCK_K1=tiles.block_k1, BLOCK_N=tiles.block_n, BLOCK_K2=tiles.block_k2,
         PREFETCH=tiles.prefetch if persistent and x.device.type == "cuda" else 0,
+        POLL_LOADS=tiles.poll_loads,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     if persistent:
@@ -690,13 +701,15 @@ def self_check() -> None:
     sync = torch.zeros(2, dtype=torch.int32, device=device)
     both = (a @ gate_up.T).float()
     want_act = (F.silu(both[:, :inter]) * both[:, inter:]).to(dtype)
-    for persistent in (True, False):
+    for persistent, poll_loads in ((True, False), (True, True), (False, False)):
         mlp_out.zero_()
-        mlp(a, gate_up, down, act, mlp_out, sync, MlpTiles(32, 64, 64, 64, 1, 1), persistent)
+        tiles = MlpTiles(32, 64, 64, 64, 1, 1, poll_loads=poll_loads)
+        mlp(a, gate_up, down, act, mlp_out, sync, tiles, persistent)
         how = "one launch" if persistent else "two launches"
+        how += ", polling loads" if poll_loads else ""
         close(mlp_out, want_act.float() @ down.float().T, f"the MLP in {how}")
     if device == "cuda":  # each launch passed the barrier once, and left its count at zero
-        assert sync.tolist() == [0, 1], sync.tolist()
+        assert sync.tolist() == [0, 2], sync.tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

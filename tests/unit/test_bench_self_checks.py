@@ -23,7 +23,7 @@ from tests.unit.triton_interpreter import REPO_ROOT, bounds_from_data, require_t
     ("script", "checks"),
     [
         pytest.param("scripts/bench_matmul.py", 3, marks=bounds_from_data),
-        ("scripts/bench_layer_chain.py", 12),
+        ("scripts/bench_layer_chain.py", 13),
     ],
 )
 def test_self_check(script: str, checks: int) -> None:
