@@ -40,7 +40,10 @@ model's are), replayed from a CUDA graph:
   gate|up into a scratch buffer, wait at a barrier across the grid, then each computes its
   rows of down. It asks what the fixed costs of two products and a small kernel between
   them come to when one launch streams both weights; ``MLP in two launches`` is the same
-  code with the barrier replaced by a kernel boundary.
+  code with the barrier replaced by a kernel boundary. Variants ask the L2 for down's first
+  tiles before the barrier, and poll it with plain loads rather than atomics. (On an H100
+  the barrier cost 1.8-2.8 us more than the boundary either way: docs/PERFORMANCE.md,
+  session 41.)
 
 With ``--context N`` each layer also runs the engine's decode attention (``paged_decode.py``)
 over a paged cache of its own, every sequence at N tokens, and two more chains split the
