@@ -33,8 +33,7 @@ model's are), replayed from a CUDA graph:
   fused: what the products alone cost against cuBLASLt's;
 * ``fused``: q|k|v with the boundary add and the input norm, o with the residual add, gate|up
   with the norm; cuBLASLt's down;
-* ``fused, cuBLASLt gate|up``: fused q|k|v and o, then the norm kernel and cuBLASLt's gate|up.
-
+* ``fused, cuBLASLt gate|up``: fused q|k|v and o, then the norm kernel and cuBLASLt's gate|up;
 * ``persistent MLP, TILES``: the engine's chain with gate|up, SiLU-and-multiply and down as
   one kernel of one program an SM: the programs compute SiLU-and-multiply of their rows of
   gate|up into a scratch buffer, wait at a barrier across the grid, then each computes its
@@ -110,12 +109,13 @@ class MlpTiles(NamedTuple):
 # the others as measured beside it (docs/PERFORMANCE.md, session 41: on an H100 the barrier
 # polled with atomics cost 2.8 us more than the kernel boundary it replaces, prefetched
 # tiles or not; polled with loads, see there).
+MLP_BASE_TILES = MlpTiles(128, 64, 32, 256, 4, 4)
 MLP_TILES = {
-    "k64 x4": MlpTiles(128, 64, 32, 256, 4, 4),
-    "k64 x4, 16 tiles prefetched": MlpTiles(128, 64, 32, 256, 4, 4, prefetch=16),
-    "k64 x4, polling loads": MlpTiles(128, 64, 32, 256, 4, 4, poll_loads=True),
-    "k64 x4, polling loads, 16 tiles prefetched": MlpTiles(
-        128, 64, 32, 256, 4, 4, prefetch=16, poll_loads=True
+    "k64 x4": MLP_BASE_TILES,
+    "k64 x4, 16 tiles prefetched": MLP_BASE_TILES._replace(prefetch=16),
+    "k64 x4, polling loads": MLP_BASE_TILES._replace(poll_loads=True),
+    "k64 x4, polling loads, 16 tiles prefetched": MLP_BASE_TILES._replace(
+        prefetch=16, poll_loads=True
     ),
 }
 # The products hold all the batch's rows in one tile, beside the weight's: past this many,
@@ -421,7 +421,7 @@ def mlp(
     meta = dict(
         H=hidden, INTER=inter, BLOCK_M=_block_m(x.shape[0]), BLOCK_I=tiles.block_i,
         BLOCK_K1=tiles.block_k1, BLOCK_N=tiles.block_n, BLOCK_K2=tiles.block_k2,
-        PREFETCH=tiles.prefetch if persistent and x.device.type == "cuda" else 0,
+        PREFETCH=tiles.prefetch if x.device.type == "cuda" else 0,  # PHASES 3 alone reads it
         POLL_LOADS=tiles.poll_loads,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
@@ -789,28 +789,28 @@ def main(argv: list[str] | None = None) -> int:
         "fused": lambda w, x, a: fused_layer(w, x, attend=a),
         "fused, cuBLASLt gate|up": lambda w, x, a: fused_layer(w, x, fuse_gate_up=False, attend=a),
     }
+
+    def with_mlp(tiles: MlpTiles, persistent: bool = True) -> LayerKind:
+        return lambda w, x, a: engine_layer(w, x, attend=a, mlp_tiles=tiles, persistent=persistent)
+
     for tiles_name, tiles in MLP_TILES.items():
-        layer_kinds[f"persistent MLP, {tiles_name}"] = functools.partial(
-            lambda w, x, a, t: engine_layer(w, x, attend=a, mlp_tiles=t), t=tiles
-        )
-    layer_kinds["MLP in two launches, " + next(iter(MLP_TILES))] = functools.partial(
-        lambda w, x, a, t: engine_layer(w, x, attend=a, mlp_tiles=t, persistent=False),
-        t=next(iter(MLP_TILES.values())),
-    )
+        layer_kinds[f"persistent MLP, {tiles_name}"] = with_mlp(tiles)
+    layer_kinds["MLP in two launches, k64 x4"] = with_mlp(MLP_BASE_TILES, persistent=False)
 
     batch = Activations(args.rows, hidden, qkv, inter, device, dtype)  # the chains take turns
 
-    def whole_batch(kind: LayerKind) -> Callable[[], None]:
+    def whole_batch(kind: LayerKind, over: Attention | None = None) -> Callable[[], None]:
         def run() -> None:
             for i, w in enumerate(weights):
-                kind(w, batch, attend(i))
+                kind(w, batch, attend(i, over=over))
 
         return run
 
-    if args.rows > MAX_TRITON_ROWS or args.cache_layouts:
-        if not args.cache_layouts:
-            print(f"the Triton products keep every row in one tile: at {args.rows} rows only "
-                  "the engine's chains run")  # fmt: skip
+    if args.cache_layouts:
+        layer_kinds = {"engine": layer_kinds["engine"]}
+    elif args.rows > MAX_TRITON_ROWS:
+        print(f"the Triton products keep every row in one tile: at {args.rows} rows only the "
+              "engine's chains run")  # fmt: skip
         layer_kinds = {"engine": layer_kinds["engine"]}
     chains: dict[str, Callable[[], None]] = {
         name: whole_batch(kind) for name, kind in layer_kinds.items()
@@ -826,15 +826,8 @@ def main(argv: list[str] | None = None) -> int:
                 head_major=True,
             ),
         }  # fmt: skip
-
-        def over_cache(cache: Attention) -> Callable[[], None]:
-            def run() -> None:
-                for i, w in enumerate(weights):
-                    engine_layer(w, batch, attend=attend(i, over=cache))
-
-            return run
-
-        chains.update((name, over_cache(cache)) for name, cache in layouts.items())
+        for name, cache in layouts.items():
+            chains[name] = whole_batch(layer_kinds["engine"], over=cache)
     elif attention is not None:
         # The batch in two halves: each product reads its weight twice, but one half's
         # attention, bound by the cache's bytes, can run beside the other's products.
