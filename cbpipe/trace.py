@@ -108,6 +108,14 @@ class BusyStats:
     median_to_worker_ms: float = 0.0
     median_launch_ms: float = 0.0
     median_to_scheduler_ms: float = 0.0
+    # The idle time between steps, by the first link of the chain that was late for it: the
+    # step left the scheduler after the device had gone idle, or the worker enqueued it after
+    # that (it reached the worker late, or its launch took long), or it was enqueued in time
+    # and the device started it late (waiting on a copy, say). Without the worker's times,
+    # what the scheduler did not cause counts as the worker's.
+    idle_scheduler_ms: float = 0.0
+    idle_worker_ms: float = 0.0
+    idle_device_ms: float = 0.0
 
 
 def decode_phase(records: Sequence[StepRecord]) -> list[StepRecord]:
@@ -145,7 +153,24 @@ def busy_stats(records: Sequence[StepRecord]) -> BusyStats:
         p99_step_ms=_percentile(durations, 0.99),
         median_scheduler_ms=median(cpu),
         **_round_trip(steps),
+        **_idle_by_cause(steps),
     )
+
+
+def _idle_by_cause(steps: Sequence[StepRecord]) -> dict[str, float]:
+    idle = {"idle_scheduler_ms": 0.0, "idle_worker_ms": 0.0, "idle_device_ms": 0.0}
+    for before, late in zip(steps, steps[1:], strict=False):
+        gap_ns = late.device_start_ns - before.device_end_ns
+        if gap_ns <= 0:
+            continue
+        if late.pack_end_ns > before.device_end_ns:
+            cause = "idle_scheduler_ms"
+        elif not late.worker_launched_ns or late.worker_launched_ns > before.device_end_ns:
+            cause = "idle_worker_ms"
+        else:
+            cause = "idle_device_ms"
+        idle[cause] += gap_ns / 1e6
+    return idle
 
 
 def _round_trip(steps: Sequence[StepRecord]) -> dict[str, float]:
@@ -241,7 +266,9 @@ def summary(records: Sequence[StepRecord]) -> str:
     busy = busy_stats(records)
     lines.append(
         f"device busy {busy.busy_fraction:.2%} over {busy.span_s:.2f} s; idle gaps p50 "
-        f"{busy.median_gap_ms:.3f} ms, p99 {busy.p99_gap_ms:.3f} ms"
+        f"{busy.median_gap_ms:.3f} ms, p99 {busy.p99_gap_ms:.3f} ms; idle ms sent late by the "
+        f"scheduler {busy.idle_scheduler_ms:.1f}, enqueued late by the worker "
+        f"{busy.idle_worker_ms:.1f}, started late on the device {busy.idle_device_ms:.1f}"
     )
     return "\n".join(lines)
 

@@ -96,6 +96,10 @@ class ModeResult:
     median_to_worker_ms: float = 0.0
     median_launch_ms: float = 0.0
     median_to_scheduler_ms: float = 0.0
+    # The phase's idle time by the link that was late for it (cbpipe.trace.BusyStats)
+    idle_scheduler_ms: float = 0.0
+    idle_worker_ms: float = 0.0
+    idle_device_ms: float = 0.0
     # On CUDA only (None elsewhere), over the decode-only steps:
     decode_s: float | None = None  # their device time
     decode_floor_s: float | None = None  # their bytes over the measured bandwidth
@@ -317,6 +321,9 @@ def run_mode(
         median_to_worker_ms=round(stats.median_to_worker_ms, 3),
         median_launch_ms=round(stats.median_launch_ms, 3),
         median_to_scheduler_ms=round(stats.median_to_scheduler_ms, 3),
+        idle_scheduler_ms=round(stats.idle_scheduler_ms, 1),
+        idle_worker_ms=round(stats.idle_worker_ms, 1),
+        idle_device_ms=round(stats.idle_device_ms, 1),
     )
     return result, outputs
 
@@ -477,6 +484,9 @@ ROWS = (
     ("idle gap ms p99", "p99_idle_gap_ms", "{:.3f}"),
     ("step ms p50", "median_step_ms", "{:.2f}"),
     ("step ms p99", "p99_step_ms", "{:.2f}"),
+    ("idle ms: scheduler late", "idle_scheduler_ms", "{:.1f}"),
+    ("idle ms: worker late", "idle_worker_ms", "{:.1f}"),
+    ("idle ms: device late", "idle_device_ms", "{:.1f}"),
     ("sched. CPU ms/step", "median_scheduler_ms", "{:.2f}"),
     ("to worker ms", "median_to_worker_ms", "{:.3f}"),
     ("worker launch ms", "median_launch_ms", "{:.3f}"),

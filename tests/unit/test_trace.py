@@ -33,6 +33,29 @@ def test_busy_fraction_and_gaps() -> None:
     assert busy_stats([]).num_steps == 0
 
 
+def test_idle_time_goes_to_the_first_link_that_was_late() -> None:
+    def step(n: int, start_ms: float, sent_ms: float, launched_ms: float) -> StepRecord:
+        return replace(
+            record(n, start_ms, start_ms + 10),
+            pack_end_ns=int(sent_ms * MS),
+            worker_recv_ns=int(sent_ms * MS) + 1,
+            worker_launched_ns=int(launched_ms * MS),
+        )
+
+    steps = [
+        step(0, 0, -5, -4),
+        step(1, 11, 10.5, 10.8),  # sent 0.5 ms after step 0 ended: the scheduler's 1 ms
+        step(2, 23, 15, 22),  # enqueued 1 ms after step 1 ended: the worker's 2 ms
+        step(3, 36, 20, 25),  # enqueued in time, started 3 ms late: the device's
+        step(4, 46, 30, 35),  # no gap
+    ]
+    stats = busy_stats(steps)
+    assert (stats.idle_scheduler_ms, stats.idle_worker_ms, stats.idle_device_ms) == (1, 2, 3)
+    # An older trace, without the worker's times: what is not the scheduler's is the worker's.
+    older = busy_stats([replace(s, worker_launched_ns=0) for s in steps])
+    assert (older.idle_scheduler_ms, older.idle_worker_ms, older.idle_device_ms) == (1, 5, 0)
+
+
 def test_chrome_trace_has_cpu_and_gpu_rows_and_round_trips(tmp_path) -> None:
     records = [record(0, 0, 10), record(1, 12, 22)]
     path = tmp_path / "trace.json"
