@@ -17,6 +17,11 @@ sampled id (drawn at random across T's vocabulary) and matches stop strings. Add
 ``--text-here`` for clients that make the text themselves from T (as the HTTP server does):
 the scheduler sends ids only, and the text's cost moves to the clients' part.
 
+With ``--step-interval-ms D`` the loop sleeps D ms between steps, as the engine's scheduler
+waits for the worker between its bursts: a step's bookkeeping costs more CPU when its data
+has gone cold in the meantime than when steps run back to back (docs/PERFORMANCE.md, session
+42: on one 2-core CPU, 20 ms between steps made a step's CPU 1.5-2.4x; 3 ms, about 1.1x).
+
 With ``--structured F --tokenizer T`` a fraction F of the requests follow a JSON schema
 (structured output): their masks are computed by llguidance over T's vocabulary when their
 steps are packed, and their sampled ids are drawn from those masks, untimed, as a worker
@@ -206,6 +211,13 @@ def parse_args() -> argparse.Namespace:
         "byte-level BPE of N tokens trained here on Python's sources)",
     )
     p.add_argument(
+        "--step-interval-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long between steps, as the engine's scheduler waits for the device "
+        "(0: back to back)",
+    )
+    p.add_argument(
         "--gc",
         choices=("paced", "default"),
         default="paced",
@@ -309,6 +321,8 @@ def main() -> None:
     started = time.perf_counter()
     step = 0
     while scheduler.requests:
+        if args.step_interval_ms:
+            time.sleep(args.step_interval_ms / 1e3)
         start = time.process_time()
         plan = scheduler.schedule()
         if not plan.seqs:  # everything left waits on the step in flight
@@ -359,8 +373,9 @@ def main() -> None:
 
     gc.callbacks.remove(on_collection)
     collector.stop()
+    interval = f", {args.step_interval_ms:g} ms between steps" if args.step_interval_ms else ""
     print(f"{args.num_requests} requests, {step} steps in {time.perf_counter() - started:.1f} s"
-          f" (garbage collection: {args.gc})")  # fmt: skip
+          f" (garbage collection: {args.gc}{interval})")  # fmt: skip
     print(
         f"intake: {client_s / args.num_requests * 1e6:.1f} us of CPU a submit in the client, "
         f"{frontend_s / args.num_requests * 1e6:.1f} us in the scheduler's frontend"

@@ -42,6 +42,8 @@
 #            1B bench's shape (256 sequences, 128 + 1024 tokens) HOSTCPU_RUNS times: the
 #            scheduler's CPU a step on this host without a GPU, to set beside the bench part's
 #            "sched. CPU ms/step" (wall time in the engine; its trace is in traces1b_256) (~1 min);
+#            then with HOSTCPU_INTERVALS ("1 3") ms of sleep between steps, as the engine's
+#            scheduler waits for the device between bursts (a step's data goes cold meanwhile);
 #            HOSTCPU_STRUCTURED="0.25 1.0" also runs it with those fractions of the requests
 #            under a JSON schema (structured output), on a BPE of 128000 tokens trained on the
 #            host's Python sources (+1-3 min)
@@ -500,6 +502,13 @@ if want hostcpu; then
             "$PY" scripts/bench_scheduler.py --num-requests 256 --max-num-seqs 256 \
                 --prompt-len 128 128 --output-len "$output_len" "$output_len" \
                 | grep -E "intake|decode-only|with prefill"
+            echo "exit code ${PIPESTATUS[0]}"
+        done
+        for interval in ${HOSTCPU_INTERVALS-1 3}; do
+            section "bench_scheduler.py at the 1B bench's shape, $interval ms between steps"
+            "$PY" scripts/bench_scheduler.py --num-requests 256 --max-num-seqs 256 \
+                --prompt-len 128 128 --output-len "$output_len" "$output_len" \
+                --step-interval-ms "$interval" | grep -E "intake|decode-only|with prefill"
             echo "exit code ${PIPESTATUS[0]}"
         done
         for fraction in ${HOSTCPU_STRUCTURED:-}; do
