@@ -20,7 +20,7 @@ the scheduler sends ids only, and the text's cost moves to the clients' part.
 With ``--step-interval-ms D`` the loop sleeps D ms between steps, as the engine's scheduler
 waits for the worker between its bursts: a step's bookkeeping costs more CPU when its data
 has gone cold in the meantime than when steps run back to back (docs/PERFORMANCE.md, session
-42: on one 2-core CPU, 20 ms between steps made a step's CPU 1.5-2.4x; 3 ms, about 1.1x).
+42: on one 2-core CPU, 20 ms between steps made a step's CPU 1.5-2.6x; 3 ms, about 1.1x).
 
 With ``--structured F --tokenizer T`` a fraction F of the requests follow a JSON schema
 (structured output): their masks are computed by llguidance over T's vocabulary when their
