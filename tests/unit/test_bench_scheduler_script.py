@@ -1,0 +1,29 @@
+"""``scripts/bench_scheduler.py`` runs its loop to the end (every job seen finished by the
+clients, which the script asserts) and reports each part of a step, back to back and with a
+wait between steps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "bench_scheduler.py"
+
+
+@pytest.mark.parametrize("interval_ms", [None, "1"])
+def test_the_scheduler_benchmark_runs_every_job_to_the_end(interval_ms: str | None) -> None:
+    flags = ["--num-requests", "12", "--max-num-seqs", "4", "--prompt-len", "8", "40",
+             "--output-len", "3", "9", "--max-batch-tokens", "64"]  # fmt: skip
+    if interval_ms is not None:
+        flags += ["--step-interval-ms", interval_ms]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    first = run.stdout.splitlines()[0]
+    assert first.startswith("12 requests, ")
+    assert ("1 ms between steps" in first) == (interval_ms is not None)
+    assert "median CPU ms per part: schedule" in run.stdout
