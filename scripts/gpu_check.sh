@@ -497,27 +497,22 @@ if want hostcpu; then
     {
         section "the host's CPU"
         lscpu | grep -E "Model name|MHz|^CPU\(s\)|Thread|Socket|NUMA node\(s\)"
-        for run in $(seq "${HOSTCPU_RUNS:-3}"); do
-            section "bench_scheduler.py at the 1B bench's shape, run $run"
-            "$PY" scripts/bench_scheduler.py --num-requests 256 --max-num-seqs 256 \
-                --prompt-len 128 128 --output-len "$output_len" "$output_len" \
+        at_1b_shape() {  # at_1b_shape TITLE REQUESTS FLAGS...: bench_scheduler.py, 128 + output
+            section "bench_scheduler.py at the 1B bench's shape, $1"
+            "$PY" scripts/bench_scheduler.py --num-requests "$2" --max-num-seqs 256 \
+                --prompt-len 128 128 --output-len "$output_len" "$output_len" "${@:3}" \
                 | grep -E "intake|decode-only|with prefill"
             echo "exit code ${PIPESTATUS[0]}"
+        }
+        for run in $(seq "${HOSTCPU_RUNS:-3}"); do
+            at_1b_shape "run $run" 256
         done
         for interval in ${HOSTCPU_INTERVALS-1 3}; do
-            section "bench_scheduler.py at the 1B bench's shape, $interval ms between steps"
-            "$PY" scripts/bench_scheduler.py --num-requests 256 --max-num-seqs 256 \
-                --prompt-len 128 128 --output-len "$output_len" "$output_len" \
-                --step-interval-ms "$interval" | grep -E "intake|decode-only|with prefill"
-            echo "exit code ${PIPESTATUS[0]}"
+            at_1b_shape "$interval ms between steps" 256 --step-interval-ms "$interval"
         done
         for fraction in ${HOSTCPU_STRUCTURED:-}; do
-            section "bench_scheduler.py at the 1B bench's shape, $fraction under a JSON schema"
-            "$PY" scripts/bench_scheduler.py --num-requests 768 --max-num-seqs 256 \
-                --prompt-len 128 128 --output-len "$output_len" "$output_len" \
-                --structured "$fraction" --tokenizer synthetic:128000 \
-                | grep -E "intake|decode-only|with prefill"
-            echo "exit code ${PIPESTATUS[0]}"
+            at_1b_shape "$fraction under a JSON schema" 768 --structured "$fraction" \
+                --tokenizer synthetic:128000
         done
     } 2>&1 | tee "$OUT/hostcpu.log"
     rcs+=("hostcpu=$(grep '^exit code' "$OUT/hostcpu.log" | awk '{print $3}' | paste -sd/ -)")
