@@ -224,7 +224,10 @@ def parse_args() -> argparse.Namespace:
         help="paced: the engine's CollectorPacing (full collections off the step path); "
         "default: Python's automatic collections",
     )
-    return p.parse_args()
+    args = p.parse_args()
+    if args.step_interval_ms < 0:
+        p.error(f"--step-interval-ms must be 0 or more, not {args.step_interval_ms:g}")
+    return args
 
 
 def main() -> None:
