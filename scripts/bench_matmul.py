@@ -34,6 +34,7 @@ one, else under Triton's CPU interpreter.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import itertools
 import json
@@ -255,6 +256,218 @@ def _cublaslt_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
+# --- cuBLASLt's algorithms -----------------------------------------------------------------
+#
+# torch asks cuBLASLt's heuristic for one algorithm a product and runs it; the heuristic ranks
+# only what fits the workspace torch declares (``CUBLASLT_WORKSPACE_SIZE`` KiB, 1 MiB unless
+# set). ``--lt-algos N`` asks it for N algorithms with 32 MiB offered and times each, through
+# ctypes, since torch has no way to run a chosen one: whether another algorithm reads a
+# decode step's weights faster than the one torch runs. Enum values and struct layouts are
+# cublasLt.h's (CUDA 12 and 13 alike).
+
+_CUDA_R_32F = 0
+_CUDA_R_16BF = 14
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_PREF_MAX_WORKSPACE_BYTES = 1
+_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_STAGES_ID = 0, 1, 2, 6
+_LT_WORKSPACE_BYTES = 32 << 20
+
+
+class _LtAlgo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _LtHeuristic(ctypes.Structure):
+    _fields_ = [
+        ("algo", _LtAlgo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+def _loaded_library_path(stem: str) -> str | None:
+    """The path of a shared library this process has mapped whose file name starts ``stem``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith(stem):
+                return path
+    return None
+
+
+@functools.cache
+def _cublaslt() -> ctypes.CDLL:
+    """The cuBLASLt that torch loaded, its functions typed."""
+    x = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+    _cublaslt_linear(x, x)  # torch loads cuBLASLt at its first product there
+    path = _loaded_library_path("libcublasLt.so")
+    if path is None:
+        raise OSError("torch has not loaded libcublasLt")
+    lib = ctypes.CDLL(path)
+    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    u64, i64 = ctypes.c_uint64, ctypes.c_int64
+    out = ctypes.POINTER(ctypes.c_void_p)
+    signatures = {
+        "cublasLtCreate": [out],
+        "cublasLtMatmulDescCreate": [out, i, i],
+        "cublasLtMatmulDescSetAttribute": [p, i, p, size],
+        "cublasLtMatrixLayoutCreate": [out, i, u64, u64, i64],
+        "cublasLtMatmulPreferenceCreate": [out],
+        "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
+        "cublasLtMatmulPreferenceDestroy": [p],
+        "cublasLtMatmulAlgoGetHeuristic": [
+            p, p, p, p, p, p, p, i, ctypes.POINTER(_LtHeuristic), ctypes.POINTER(i)
+        ],
+        "cublasLtMatmul": [
+            p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_LtAlgo), p, size, p
+        ],
+        "cublasLtMatmulAlgoConfigGetAttribute": [
+            ctypes.POINTER(_LtAlgo), i, p, size, ctypes.POINTER(size)
+        ],
+    }  # fmt: skip
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, i
+    return lib
+
+
+def _lt_check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: cublasStatus {status}")
+
+
+class _LtProduct:
+    """``x @ w.T`` of bfloat16 ``x`` [rows, k] and ``w`` [n, k] through cuBLASLt, as torch
+    lays it out: column-major ``w.T``'s transpose times ``x.T``, into ``out.T``."""
+
+    def __init__(self, rows: int, n: int, k: int) -> None:
+        lib = _cublaslt()
+        self.lib, self.rows, self.n = lib, rows, n
+        self.handle = ctypes.c_void_p()
+        _lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.op = ctypes.c_void_p()
+        _lt_check(
+            lib.cublasLtMatmulDescCreate(ctypes.byref(self.op), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
+            "cublasLtMatmulDescCreate",
+        )
+        for attribute, value in ((_DESC_TRANSA, _CUBLAS_OP_T), (_DESC_TRANSB, _CUBLAS_OP_N)):
+            flag = ctypes.c_int32(value)
+            status = lib.cublasLtMatmulDescSetAttribute(
+                self.op, attribute, ctypes.byref(flag), ctypes.sizeof(flag)
+            )
+            _lt_check(status, "cublasLtMatmulDescSetAttribute")
+        self.a, self.b, self.c = (self._layout(r, c) for r, c in ((k, n), (k, rows), (n, rows)))
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.workspace = torch.empty(_LT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+
+    def _layout(self, rows: int, cols: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        status = self.lib.cublasLtMatrixLayoutCreate(
+            ctypes.byref(layout), _CUDA_R_16BF, rows, cols, rows
+        )
+        _lt_check(status, "cublasLtMatrixLayoutCreate")
+        return layout
+
+    def algorithms(self, count: int, workspace_bytes: int) -> list[_LtHeuristic]:
+        """The heuristic's first ``count`` algorithms that fit ``workspace_bytes``, best first."""
+        pref = ctypes.c_void_p()
+        _lt_check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        limit = ctypes.c_uint64(workspace_bytes)
+        _lt_check(
+            self.lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), ctypes.sizeof(limit)
+            ),
+            "PreferenceSetAttribute",
+        )
+        results = (_LtHeuristic * count)()
+        found = ctypes.c_int(0)
+        status = self.lib.cublasLtMatmulAlgoGetHeuristic(
+            self.handle, self.op, self.a, self.b, self.c, self.c, pref, count, results,
+            ctypes.byref(found),
+        )  # fmt: skip
+        self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        _lt_check(status, "cublasLtMatmulAlgoGetHeuristic")
+        return [results[j] for j in range(found.value) if results[j].state == 0]
+
+    def config(self, algo: _LtAlgo) -> dict[str, int]:
+        """The algorithm's id, tile, split and stages, as cuBLASLt reports them."""
+        values = {}
+        for name, attribute in (
+            ("id", _CONFIG_ID), ("tile", _CONFIG_TILE_ID), ("split_k", _CONFIG_SPLITK_NUM),
+            ("stages", _CONFIG_STAGES_ID),
+        ):  # fmt: skip
+            value, written = ctypes.c_int32(0), ctypes.c_size_t(0)
+            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(
+                ctypes.byref(algo), attribute, ctypes.byref(value), 4, ctypes.byref(written)
+            )
+            values[name] = value.value if status == 0 else -1
+        return values
+
+    def run(self, algo: _LtAlgo, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.rows, self.n, device=x.device, dtype=x.dtype)
+        status = self.lib.cublasLtMatmul(
+            self.handle, self.op, ctypes.byref(self.alpha), w.data_ptr(), self.a,
+            x.data_ptr(), self.b, ctypes.byref(self.beta), out.data_ptr(), self.c,
+            out.data_ptr(), self.c, ctypes.byref(algo), self.workspace.data_ptr(),
+            _LT_WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+        _lt_check(status, "cublasLtMatmul")
+        return out
+
+
+def compare_lt_algorithms(
+    shapes: dict[str, tuple[int, int]], rows: int, count: int, iters: int, bandwidth: float
+) -> list[dict]:
+    """Each of cuBLASLt's first ``count`` algorithms for the fused layer's products and the
+    head at ``rows`` rows, timed as ``time_product`` times torch's own choice beside them."""
+    dtype = torch.bfloat16
+    print(f"\ncuBLASLt's algorithms (32 MiB offered), batch {rows}")
+    results = []
+    for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+        n, k = shapes[name]
+        torch_s = time_product(rows, shapes[name], dtype, iters, _cublaslt_linear)
+        product = _LtProduct(rows, n, k)
+        first_fitting_1mib = product.algorithms(1, 1 << 20)
+        offered = product.algorithms(count, _LT_WORKSPACE_BYTES)
+        print(
+            f"{name} ({n} x {k}): torch's cuBLASLt {torch_s * 1e6:.1f} us; "
+            f"{len(offered)} algorithms"
+        )
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
+        want = F.linear(x, w).float()
+        for rank, heuristic in enumerate(offered):
+            config = product.config(heuristic.algo)
+            first = bool(first_fitting_1mib) and bytes(first_fitting_1mib[0].algo) == bytes(
+                heuristic.algo
+            )
+            got = product.run(heuristic.algo, x, w).float()
+            error = ((got - want).abs().max() / want.abs().max()).item()
+            if error > 2e-2:
+                print(f"  #{rank}: wrong result (max error {error:.3g} of the largest value)")
+                continue
+            seconds = time_product(
+                rows, shapes[name], dtype, iters, functools.partial(product.run, heuristic.algo)
+            )
+            print(
+                f"  #{rank}{'*' if first else ' '} {seconds * 1e6:7.1f} us "
+                f"{n * k * dtype.itemsize / seconds / bandwidth:5.2f} x copy, "
+                f"workspace {heuristic.workspace_size / 2**20:5.2f} MiB, waves "
+                f"{heuristic.waves_count:5.2f}, {config}"
+            )
+            results.append(
+                {"batch": rows, "product": name, "rank": rank, "seconds": seconds,
+                 "torch_cublaslt_seconds": torch_s, "workspace": heuristic.workspace_size,
+                 "first_within_1mib": first, **config}
+            )  # fmt: skip
+    print("(* the heuristic's first within 1 MiB: what torch runs by default)")
+    return results
+
+
 def compare_candidate(
     shapes: dict[str, tuple[int, int]], rows: int, dtype: torch.dtype, iters: int
 ) -> list[dict]:
@@ -326,6 +539,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only-candidate", action="store_true", help="the candidate's sweep alone")
     parser.add_argument("--self-check", action="store_true", help="check the candidate, exit")
+    parser.add_argument(
+        "--lt-algos",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time cuBLASLt's first N algorithms for each product (32 MiB workspace)",
+    )
     args = parser.parse_args(argv)
     if args.self_check:
         self_check()
@@ -386,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{(separate * layers + times['lm_head']) * 1e3:.2f} ms, fused "
             f"{(fused * layers + times['lm_head']) * 1e3:.2f} ms"
         )
+    if args.lt_algos:
+        for rows in args.batch:
+            found = compare_lt_algorithms(shapes, rows, args.lt_algos, args.iters, bandwidth)
+            results.extend(found)
     if args.candidate or args.only_candidate:
         for rows in args.batch:
             results.extend(compare_candidate(shapes, rows, dtype, args.iters))
