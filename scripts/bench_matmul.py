@@ -259,8 +259,10 @@ def _cublaslt_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # --- cuBLASLt's algorithms -----------------------------------------------------------------
 #
 # torch asks cuBLASLt's heuristic for one algorithm a product and runs it; the heuristic ranks
-# only what fits the workspace torch declares (``CUBLASLT_WORKSPACE_SIZE`` KiB, 1 MiB unless
-# set). ``--lt-algos N`` asks it for N algorithms with 32 MiB offered and times each, through
+# only what fits the workspace torch declares (``CUBLASLT_WORKSPACE_SIZE`` KiB: 1 MiB unless
+# set, where torch keeps cuBLASLt's workspace apart from cuBLAS's; cuBLAS's, 32 MiB on
+# Hopper, where it unifies them). ``--lt-algos N`` asks for N algorithms with 32 MiB offered,
+# marks the first that fits 1 MiB, and times each beside torch's own choice, through
 # ctypes, since torch has no way to run a chosen one: whether another algorithm reads a
 # decode step's weights faster than the one torch runs. Enum values and struct layouts are
 # cublasLt.h's (CUDA 12 and 13 alike).
@@ -464,7 +466,7 @@ def compare_lt_algorithms(
                  "torch_cublaslt_seconds": torch_s, "workspace": heuristic.workspace_size,
                  "first_within_1mib": first, **config}
             )  # fmt: skip
-    print("(* the heuristic's first within 1 MiB: what torch runs by default)")
+    print("(#0: the heuristic's first within 32 MiB; *: its first within 1 MiB)")
     return results
 
 
