@@ -27,6 +27,9 @@ output tiles still makes a full wave of programs; its partial sums are reduced i
 order (the same sums every run). It is swept over tile sizes, splits and pipeline depths at
 each ``--batch`` for q|k|v, o and down, beside cuBLAS and cuBLASLt, and reports the best
 configuration per product. Nothing in the engine uses it unless it wins here.
+``--lt-algos N`` times cuBLASLt's first N algorithms for each product beside the one torch
+runs (through ctypes: torch cannot be told which to run), to see whether another reads the
+weights faster (its section below says why).
 ``--self-check`` runs it against ``x @ w.T`` at small sizes and exits: on a GPU if there is
 one, else under Triton's CPU interpreter.
 """
@@ -337,6 +340,19 @@ def _cublaslt() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _lt_handle() -> ctypes.c_void_p:
+    """One cuBLASLt handle for every product: the stream is given at each call."""
+    handle = ctypes.c_void_p()
+    _lt_check(_cublaslt().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    return handle
+
+
+@functools.cache
+def _lt_workspace() -> torch.Tensor:
+    return torch.empty(_LT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+
+
 def _lt_check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"{what} failed: cublasStatus {status}")
@@ -349,8 +365,7 @@ class _LtProduct:
     def __init__(self, rows: int, n: int, k: int) -> None:
         lib = _cublaslt()
         self.lib, self.rows, self.n = lib, rows, n
-        self.handle = ctypes.c_void_p()
-        _lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.handle = _lt_handle()
         self.op = ctypes.c_void_p()
         _lt_check(
             lib.cublasLtMatmulDescCreate(ctypes.byref(self.op), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
@@ -364,7 +379,6 @@ class _LtProduct:
             _lt_check(status, "cublasLtMatmulDescSetAttribute")
         self.a, self.b, self.c = (self._layout(r, c) for r, c in ((k, n), (k, rows), (n, rows)))
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self.workspace = torch.empty(_LT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
 
     def _layout(self, rows: int, cols: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
@@ -414,7 +428,7 @@ class _LtProduct:
         status = self.lib.cublasLtMatmul(
             self.handle, self.op, ctypes.byref(self.alpha), w.data_ptr(), self.a,
             x.data_ptr(), self.b, ctypes.byref(self.beta), out.data_ptr(), self.c,
-            out.data_ptr(), self.c, ctypes.byref(algo), self.workspace.data_ptr(),
+            out.data_ptr(), self.c, ctypes.byref(algo), _lt_workspace().data_ptr(),
             _LT_WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         _lt_check(status, "cublasLtMatmul")
@@ -433,7 +447,7 @@ def compare_lt_algorithms(
         n, k = shapes[name]
         torch_s = time_product(rows, shapes[name], dtype, iters, _cublaslt_linear)
         product = _LtProduct(rows, n, k)
-        first_fitting_1mib = product.algorithms(1, 1 << 20)
+        within_1mib = [bytes(h.algo) for h in product.algorithms(1, 1 << 20)]
         offered = product.algorithms(count, _LT_WORKSPACE_BYTES)
         print(
             f"{name} ({n} x {k}): torch's cuBLASLt {torch_s * 1e6:.1f} us; "
@@ -444,9 +458,7 @@ def compare_lt_algorithms(
         want = F.linear(x, w).float()
         for rank, heuristic in enumerate(offered):
             config = product.config(heuristic.algo)
-            first = bool(first_fitting_1mib) and bytes(first_fitting_1mib[0].algo) == bytes(
-                heuristic.algo
-            )
+            first = bytes(heuristic.algo) in within_1mib
             got = product.run(heuristic.algo, x, w).float()
             error = ((got - want).abs().max() / want.abs().max()).item()
             if error > 2e-2:
