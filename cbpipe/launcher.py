@@ -43,6 +43,8 @@ from cbpipe.models.support import check_config, check_tensor_parallel, length_li
 from cbpipe.protocol.launch import EngineAddresses, Rendezvous, RunSpec, worker_names
 from cbpipe.protocol.liveness import HeartbeatTable
 from cbpipe.protocol.shm import (
+    SharedMemoryTooSmall,
+    check_room,
     create_segment,
     new_segment_name,
     remove_segment,
@@ -219,7 +221,8 @@ class Launcher:
         try:
             self.config = resolve_limits(self.config)
             layout = plan_layout(self.config)
-        except ValueError as exc:
+            check_room(layout.segment_nbytes)
+        except (ValueError, SharedMemoryTooSmall) as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)
             return 2
         server = self.config.server

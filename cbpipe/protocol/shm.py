@@ -23,6 +23,25 @@ def new_segment_name() -> str:
     return f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
 
 
+class SharedMemoryTooSmall(RuntimeError):
+    """``/dev/shm`` has less room than the slots need."""
+
+
+def check_room(nbytes: int, folder: str = SHM_DIR) -> None:
+    """Raise ``SharedMemoryTooSmall`` unless ``folder`` has ``nbytes`` free. Checked before
+    creating the segment: a tmpfs out of room answers the first write to a page with SIGBUS,
+    which kills the launcher with no word of why (a container's /dev/shm is 64 MB unless it
+    is given more)."""
+    stats = os.statvfs(folder)
+    free = stats.f_bavail * stats.f_frsize
+    if free < nbytes:
+        raise SharedMemoryTooSmall(
+            f"the slots need {nbytes / 1e6:.0f} MB of shared memory and {folder} has "
+            f"{free / 1e6:.0f} MB free: give it more (docker run --shm-size=1g, or --ipc=host), "
+            f"or shrink the slots (--max-num-seqs, --max-model-len, --steps-in-flight)"
+        )
+
+
 def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
     """A new segment, left out of multiprocessing's resource tracker: who removes it is ours
     to say (the launcher, its children when it is killed, the next launch). Tracked, a killed

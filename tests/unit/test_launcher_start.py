@@ -159,3 +159,18 @@ def test_a_child_that_does_not_stop_is_killed_and_named(
     launcher._stop([spec], {"worker": process})
     assert not process.is_alive() and process.exitcode == -9
     assert "the worker did not stop within 0.2 s of SIGTERM; killed it" in capsys.readouterr().err
+
+
+def test_too_little_shared_memory_is_refused_before_anything_starts(monkeypatch, capsys) -> None:
+    """A tmpfs out of room answers a write with SIGBUS: the launcher checks the room first and
+    says what to give, instead of dying unexplained (a container's /dev/shm is 64 MB)."""
+    from cbpipe.protocol import shm
+
+    real = shm.os.statvfs(shm.SHM_DIR)
+    small = type("Stats", (), {"f_bavail": 4, "f_frsize": real.f_frsize})()
+    monkeypatch.setattr(shm.os, "statvfs", lambda folder: small)
+    monkeypatch.setattr(launcher, "create_segment", None)  # never reached
+    assert launcher.Launcher(config_module.EngineConfig()).run() == 2
+    error = capsys.readouterr().err
+    assert "MB of shared memory" in error and "--shm-size" in error, error
+    assert "--max-num-seqs" in error, error
