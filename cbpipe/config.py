@@ -15,12 +15,16 @@ from typing import Any, Literal, get_args, get_origin
 from cbpipe import env
 
 DEFAULT_MODEL = "default"
-# The per-step token budget when --max-batch-tokens is unset, by the device's memory: vLLM's
-# API-server defaults, which a user moving from it expects. On a large GPU a burst of prompts
-# is prefilled several times sooner in steps of 8,192 (docs/PERFORMANCE.md), at the price of
-# a longer gap between tokens for the sequences running beside a long prefill.
+# The per-step limits when --max-batch-tokens and --max-num-seqs are unset, by the device's
+# memory: vLLM's API-server defaults, which a user moving from it expects. On a large GPU a
+# burst of prompts is prefilled several times sooner in steps of 8,192 tokens, at the price of
+# a longer gap between tokens for the sequences running beside a long prefill; and a burst of
+# requests finishes sooner, and sees its first tokens sooner, 1,024 sequences at a time
+# (docs/PERFORMANCE.md).
 BATCH_TOKENS = 2048
 LARGE_DEVICE_BATCH_TOKENS = 8192
+NUM_SEQS = 256
+LARGE_DEVICE_NUM_SEQS = 1024
 LARGE_DEVICE_MEMORY = 70 << 30  # bytes: an H100, H200 or MI300X, not a 40 GB A100
 
 
@@ -77,7 +81,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _opt(256, "most sequences in one step")
+    max_num_seqs: int | None = _opt(
+        None,
+        f"most sequences in one step; default: {LARGE_DEVICE_NUM_SEQS} on a GPU of "
+        f"{LARGE_DEVICE_MEMORY >> 30} GiB or more, {NUM_SEQS} elsewhere, and no more than "
+        f"--max-batch-tokens",
+    )
     max_batch_tokens: int | None = _opt(
         None,
         f"most tokens (prefill chunks + decodes) in one step; default: "
@@ -113,20 +122,27 @@ class SchedulerConfig:
         """Steps sent and not yet answered: one in sync mode."""
         return 1 if self.sync else self.steps_in_flight
 
+    def num_seqs(self, device_memory: int | None) -> int:
+        """The most sequences a step holds on a device of ``device_memory`` bytes (None: the
+        CPU): ``max_num_seqs`` when given, else the default for the device, and no more than
+        a given token budget has rows for."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        default = LARGE_DEVICE_NUM_SEQS if _is_large(device_memory) else NUM_SEQS
+        return default if self.max_batch_tokens is None else min(default, self.max_batch_tokens)
+
     def batch_tokens(self, device_memory: int | None) -> int:
         """The per-step token budget on a device of ``device_memory`` bytes (None: the CPU):
         ``max_batch_tokens`` when given, else the default for the device, and a row for every
         sequence at least."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
-        large = device_memory is not None and device_memory >= LARGE_DEVICE_MEMORY
-        return max(LARGE_DEVICE_BATCH_TOKENS if large else BATCH_TOKENS, self.max_num_seqs)
+        default = LARGE_DEVICE_BATCH_TOKENS if _is_large(device_memory) else BATCH_TOKENS
+        return max(default, self.num_seqs(device_memory))
 
-    @property
-    def batch_tokens_capacity(self) -> int:
-        """The most tokens a step's slot must hold, before the worker has seen its device:
-        the budget of the largest device."""
-        return self.batch_tokens(LARGE_DEVICE_MEMORY)
+
+def _is_large(device_memory: int | None) -> bool:
+    return device_memory is not None and device_memory >= LARGE_DEVICE_MEMORY
 
 
 @dataclass(frozen=True)
@@ -278,9 +294,15 @@ class EngineConfig:
 
         s, c = self.scheduler, self.cache
         checks = [
-            (s.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
+            (s.max_num_seqs is None or s.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
             (
-                s.max_batch_tokens is None or s.max_batch_tokens >= s.max_num_seqs,
+                s.max_batch_tokens is None or s.max_batch_tokens >= 1,
+                "--max-batch-tokens must be >= 1",
+            ),
+            (
+                s.max_batch_tokens is None
+                or s.max_num_seqs is None
+                or s.max_batch_tokens >= s.max_num_seqs,
                 "--max-batch-tokens must be >= --max-num-seqs (every sequence needs a row)",
             ),
             (

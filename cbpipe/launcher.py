@@ -34,7 +34,7 @@ from types import FrameType
 
 from cbpipe import config as config_module
 from cbpipe import env
-from cbpipe.config import EngineConfig
+from cbpipe.config import LARGE_DEVICE_MEMORY, EngineConfig
 from cbpipe.leftovers import remove_dead_launches, run_dir_prefix
 from cbpipe.lifetime import end_with_parent, fork_is_safe, process_age_s
 from cbpipe.logs import setup_logging
@@ -200,9 +200,12 @@ def plan_layout(config: EngineConfig) -> SlotLayout:
     assert config.model.max_model_len is not None, "resolve_limits first"
     block_size = config.cache.block_size
     source = resolve_model(config.model.model, config.model.revision)
+    # The worker picks the step's limits by its device's memory, once it has seen it: the
+    # slots hold the largest limits it can pick.
+    memory = None if config.model.device == "cpu" else LARGE_DEVICE_MEMORY
     limits = SlotLimits(
-        max_tokens=config.scheduler.batch_tokens_capacity,  # the worker picks the budget
-        max_seqs=config.scheduler.max_num_seqs,
+        max_tokens=config.scheduler.batch_tokens(memory),
+        max_seqs=config.scheduler.num_seqs(memory),
         max_blocks_per_seq=-(-config.model.max_model_len // block_size),
         vocab_size=int(source.config.get_text_config().vocab_size),
     )

@@ -233,6 +233,7 @@ class WorkerReady(Message):
     vocab_size: int
     num_blocks: int
     max_batch_tokens: int  # the per-step token budget, chosen by the device (config.py)
+    max_num_seqs: int  # the most sequences a step holds, chosen likewise
     dtype: str
     device: str
     eos_token_ids: list[int]

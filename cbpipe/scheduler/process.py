@@ -268,7 +268,7 @@ def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> E
     )
     scheduler = Scheduler(
         blocks,
-        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_seqs=hello.max_num_seqs,
         max_batch_tokens=hello.max_batch_tokens,
     )
     packer = BatchPacker(segment.buf, spec.layout, config.cache.block_size)
@@ -282,11 +282,12 @@ def _start(spec: RunSpec, sockets: EngineSockets, segment: AttachedSegment) -> E
         grammars=grammars,
     )
     log.info(
-        "serving %s (%s on %s), %d KV blocks, %d tokens a step",
+        "serving %s (%s on %s), %d KV blocks, %d sequences and %d tokens a step",
         hello.model,
         hello.dtype,
         hello.device,
         hello.num_blocks,
+        hello.max_num_seqs,
         hello.max_batch_tokens,
     )
     return EngineLoop(
@@ -315,7 +316,7 @@ def _wait_for_workers(
     """Every worker rank's ``WorkerReady`` and its subscription to the steps, then one
     report for all: rank 0's, with the fewest KV blocks any rank holds (the ranks agree
     on the count before they allocate; the minimum is what all can hold in any case) and
-    the smallest token budget (each rank's device chose its own)."""
+    the smallest step limits (each rank's device chose its own)."""
     deadline = time.monotonic() + timeout_s
     reports: dict[int, WorkerReady] = {}
     subscribed = 0
@@ -348,6 +349,7 @@ def _wait_for_workers(
         reports[0],
         num_blocks=min(r.num_blocks for r in reports.values()),
         max_batch_tokens=min(r.max_batch_tokens for r in reports.values()),
+        max_num_seqs=min(r.max_num_seqs for r in reports.values()),
     )
 
 

@@ -60,6 +60,7 @@ class CompileJob:
     variants: tuple[GraphVariant, ...]
     limits: SlotLimits  # and the number of slots: the layout (it does not pickle)
     num_slots: int
+    max_seqs: int  # the sampler's rows: the most sequences the worker's steps hold
     vocab: int
     logits_dtype: str  # the model's output dtype, as torch names it (bfloat16)
     device: str
@@ -79,7 +80,7 @@ class CompileJob:
         logits = self.first_batch * self.vocab * dtype.itemsize
         layout = self.layout
         slot = sum(end - start for start, end in map(layout.region, REGIONS))
-        state = SamplingState.nbytes(self.limits.max_seqs, self.vocab)
+        state = SamplingState.nbytes(self.max_seqs, self.vocab)
         return processes * (state + logits + slot + _PROCESS_OVERHEAD_BYTES)
 
     def processes_with_room(self, free_bytes: int, most: int) -> int:
@@ -228,8 +229,7 @@ def compile_variants(job: CompileJob) -> None:
     device = torch.device(job.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    layout, batch = job.layout, job.first_batch
-    max_seqs = layout.limits.max_seqs
+    layout, batch, max_seqs = job.layout, job.first_batch, job.max_seqs
     slot = device_slot(layout, device)
     state = SamplingState.allocate(max_seqs, job.vocab, device)
     saved = None if job.traces_folder is None else SavedTraces(Path(job.traces_folder), writes=True)

@@ -181,7 +181,8 @@ def _load(
     phases.done("device")
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
     max_batch_tokens = config.scheduler.batch_tokens(memory)
-    log.info("%d tokens a step at most", max_batch_tokens)
+    max_num_seqs = config.scheduler.num_seqs(memory)
+    log.info("%d sequences and %d tokens a step at most", max_num_seqs, max_batch_tokens)
     model, paged = load_paged_model(
         source,
         device,
@@ -194,12 +195,12 @@ def _load(
     phases.done("weights")
     # The full sampler's per-request rows come out of the memory the KV cache is sized from.
     vocab = logits_width(model)
-    state = SamplingState.allocate(spec.layout.limits.max_seqs, vocab, device)
+    state = SamplingState.allocate(max_num_seqs, vocab, device)
     log.info(
         "sampling state: %d request rows of %d tokens, %.1f MB",
-        spec.layout.limits.max_seqs,
+        max_num_seqs,
         vocab,
-        SamplingState.nbytes(spec.layout.limits.max_seqs, vocab) / 1e6,
+        SamplingState.nbytes(max_num_seqs, vocab) / 1e6,
     )
     # Every rank holds its kv heads of every block: the ranks agree on the fewest blocks any
     # of them has room for, so the scheduler's block tables mean the same on each.
@@ -212,8 +213,8 @@ def _load(
     phases.done("kernels")
     graph_sizes: list[int] = []
     if config.worker.cuda_graphs and cuda and decode_kernel is not None:
-        max_graph_batch = config.worker.max_graph_batch or config.scheduler.max_num_seqs
-        graph_sizes = bucket_sizes(min(max_graph_batch, config.scheduler.max_num_seqs))
+        max_graph_batch = config.worker.max_graph_batch or max_num_seqs
+        graph_sizes = bucket_sizes(min(max_graph_batch, max_num_seqs))
     compile_decode = config.worker.compile_decode and bool(graph_sizes)
     mixed_graph_tokens = config.worker.mixed_graph_tokens
     if tp.world_size > 1 and mixed_graph_tokens and cuda:
@@ -226,6 +227,7 @@ def _load(
             variants=ahead_variants(full_sampling=True),
             limits=spec.layout.limits,
             num_slots=spec.layout.num_slots,
+            max_seqs=max_num_seqs,
             vocab=vocab,
             logits_dtype=str(dtype).removeprefix("torch."),
             device=str(device),
@@ -253,6 +255,7 @@ def _load(
         before_sampler_compiles=None if ahead is None else ahead.wait,
         saved_traces=traces,
         max_batch_tokens=max_batch_tokens,
+        max_num_seqs=max_num_seqs,
         blas=blas,
         mixed_graph_tokens=mixed_graph_tokens,
     )
@@ -263,6 +266,7 @@ def _load(
         vocab_size=int(model.config.get_text_config().vocab_size),
         num_blocks=num_blocks,
         max_batch_tokens=max_batch_tokens,
+        max_num_seqs=max_num_seqs,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         eos_token_ids=source.eos_token_ids,

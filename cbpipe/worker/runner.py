@@ -223,6 +223,7 @@ class StepRunner:
         before_sampler_compiles: Callable[[], None] | None = None,
         saved_traces: SavedTraces | None = None,
         max_batch_tokens: int | None = None,
+        max_num_seqs: int | None = None,
         blas: BlasLibraries | None = None,
         mixed_graph_tokens: int = 0,
     ) -> None:
@@ -248,6 +249,8 @@ class StepRunner:
         ``saved_traces``: where the compiled samplers' saved traces are loaded from.
         ``max_batch_tokens``: the scheduler's per-step token budget, which the warm-up's
         prefills reach (default: the slots' capacity).
+        ``max_num_seqs``: the most sequences the scheduler puts in a step, which the sampler's
+        rows, the graphs and the warm-up cover (default: the slots' capacity).
         ``blas``: the BLAS libraries ``use_blas_library`` set up; eager steps run their
         products on its eager one (None: on the process's setting).
         ``mixed_graph_tokens``: with decode graphs and both Triton kernels, also capture
@@ -265,6 +268,11 @@ class StepRunner:
             raise ValueError(
                 f"a budget of {self.max_batch_tokens} tokens a step in slots of "
                 f"{layout.limits.max_tokens}"
+            )
+        self.max_num_seqs = max_num_seqs or layout.limits.max_seqs
+        if self.max_num_seqs > layout.limits.max_seqs:
+            raise ValueError(
+                f"{self.max_num_seqs} sequences a step in slots of {layout.limits.max_seqs}"
             )
         self.device = device
         self.cuda = device.type == "cuda"
@@ -298,17 +306,16 @@ class StepRunner:
         self.startup_seconds["layers wrapped"] = time.perf_counter() - started
         self.vocab = logits_width(model)
         if sampling_state is None:
-            sampling_state = SamplingState.allocate(layout.limits.max_seqs, self.vocab, device)
+            sampling_state = SamplingState.allocate(self.max_num_seqs, self.vocab, device)
         if sampling_state.vocab != self.vocab:
             raise ValueError(
                 f"sampling state for {sampling_state.vocab} tokens, model of {self.vocab}"
             )
-        max_seqs = layout.limits.max_seqs
         # Sampling too compiles in graphs (every variant at capture), never in eager steps.
         self.sampling = StepSampling(
-            sampling_state, max_seqs, device, compiled=compile_decode, saved=saved_traces
+            sampling_state, self.max_num_seqs, device, compiled=compile_decode, saved=saved_traces
         )
-        self._row_ids = torch.arange(max_seqs, device=device)
+        self._row_ids = torch.arange(self.max_num_seqs, device=device)
         limits = layout.limits
         # Row, sequence, chunk and block-table indices of the mixed graphs' forwards.
         self._indices = torch.arange(
@@ -377,11 +384,10 @@ class StepRunner:
         and the library's kernels for it load the first time it picks them.
         """
         started = time.perf_counter()
-        limits = self.layout.limits
-        beside = min(1, limits.max_seqs - 1)  # a decode row beside each prefill
+        beside = min(1, self.max_num_seqs - 1)  # a decode row beside each prefill
         longest = self.max_batch_tokens - beside
         lengths = sorted({1 << i for i in range(longest.bit_length())} | {longest})
-        widest = min(limits.max_seqs, self.max_batch_tokens)
+        widest = min(self.max_num_seqs, self.max_batch_tokens)
         # Decode-only batches of every power of two: the split count follows the batch size.
         batches = sorted({1 << i for i in range(widest.bit_length())} | {widest})
         shapes = [(beside, n) for n in lengths] + [(b, 0) for b in batches]
@@ -393,7 +399,7 @@ class StepRunner:
             if self.cuda:
                 with products_on(self._eager_blas):
                     num_products = warm_product_plans(
-                        self.model, self.max_batch_tokens, limits.max_seqs
+                        self.model, self.max_batch_tokens, self.max_num_seqs
                     )
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -450,10 +456,10 @@ class StepRunner:
         self._compute(step, self.slots[0])
 
     def _capture_graphs(self, batch_sizes: Sequence[int], full_sampling: bool) -> None:
-        max_seqs = self.layout.limits.max_seqs
-        if max(batch_sizes) > max_seqs:
+        if max(batch_sizes) > self.max_num_seqs:
             raise ValueError(
-                f"graph batch sizes {list(batch_sizes)} exceed the slots' {max_seqs} sequences"
+                f"graph batch sizes {list(batch_sizes)} exceed the {self.max_num_seqs} "
+                f"sequences a step holds"
             )
         if self.compiled:
             batch_sizes = compiled_bucket_sizes(batch_sizes)
@@ -726,7 +732,7 @@ class StepRunner:
 
     def _mixed_graph_seqs(self, rows: int) -> int:
         """The sequences a mixed graph of ``rows`` token rows holds."""
-        return min(self.layout.limits.max_seqs, rows)
+        return min(self.max_num_seqs, rows)
 
     def _mixed_graph_decode_rows(self, shape: MixedShape) -> int:
         """The sequences a mixed graph's decode kernel covers: all of the graph's, or in a

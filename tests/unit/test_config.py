@@ -66,7 +66,7 @@ def test_unknown_options_and_bad_values_are_errors() -> None:
     config.EngineConfig(scheduler=config.SchedulerConfig(steps_in_flight=2)).validate()
 
 
-def test_the_token_budget_follows_the_device_unless_given() -> None:
+def test_the_step_limits_follow_the_device_unless_given() -> None:
     from cbpipe.launcher import plan_layout, resolve_limits
 
     gib = 1 << 30
@@ -74,14 +74,33 @@ def test_the_token_budget_follows_the_device_unless_given() -> None:
     assert default.batch_tokens(None) == 2048  # the CPU
     assert default.batch_tokens(40 * gib) == 2048  # an A100 40 GB
     assert default.batch_tokens(140 * gib) == 8192  # an H200
+    assert default.num_seqs(None) == default.num_seqs(40 * gib) == 256
+    assert default.num_seqs(80 * gib) == 1024  # an H100
     assert config.SchedulerConfig(max_num_seqs=4096).batch_tokens(None) == 4096  # a row each
     given = config.SchedulerConfig(max_batch_tokens=512)
     assert given.batch_tokens(None) == given.batch_tokens(140 * gib) == 512
-    # The launcher sizes the slots before the worker has seen its device: room for either.
-    assert default.batch_tokens_capacity == 8192 and given.batch_tokens_capacity == 512
-    resolved = resolve_limits(config.EngineConfig(scheduler=given))
-    assert plan_layout(resolved).limits.max_tokens == 512
-    assert plan_layout(resolve_limits(config.EngineConfig())).limits.max_tokens == 8192
+    assert given.num_seqs(None) == 256 and given.num_seqs(140 * gib) == 512  # a row each
+    assert config.SchedulerConfig(max_batch_tokens=100).num_seqs(None) == 100
+    seqs = config.SchedulerConfig(max_num_seqs=64)
+    assert seqs.num_seqs(None) == seqs.num_seqs(140 * gib) == 64
+    # The launcher sizes the slots before the worker has seen its device: room for the
+    # largest, unless the device is the CPU.
+    plan = lambda **kw: plan_layout(resolve_limits(config.EngineConfig(**kw))).limits  # noqa: E731
+    assert (plan().max_tokens, plan().max_seqs) == (8192, 1024)
+    assert (plan(scheduler=given).max_tokens, plan(scheduler=given).max_seqs) == (512, 512)
+    assert plan(scheduler=seqs).max_seqs == 64
+    cpu = plan(model=config.ModelConfig(device="cpu"))
+    assert (cpu.max_tokens, cpu.max_seqs) == (2048, 256)
+
+
+def test_limits_given_together_must_leave_a_row_for_every_sequence() -> None:
+    both = config.SchedulerConfig(max_batch_tokens=64, max_num_seqs=128)
+    with pytest.raises(ValueError, match="max-batch-tokens must be >= --max-num-seqs"):
+        config.EngineConfig(scheduler=both).validate()
+    for bad in (config.SchedulerConfig(max_batch_tokens=0), config.SchedulerConfig(max_num_seqs=0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            config.EngineConfig(scheduler=bad).validate()
+    config.EngineConfig(scheduler=config.SchedulerConfig(max_batch_tokens=64)).validate()
 
 
 def test_max_model_len_is_resolved_once_and_never_rounded() -> None:
