@@ -46,6 +46,7 @@ from cbpipe.protocol.shm import (
     SharedMemoryTooSmall,
     check_room,
     create_segment,
+    free_bytes,
     new_segment_name,
     remove_segment,
     unlink_segment,
@@ -195,23 +196,50 @@ def sources_without_bytecode(modules: list[str]) -> list[str]:
     return missing
 
 
-def plan_layout(config: EngineConfig) -> SlotLayout:
-    """Slot capacities from the engine limits and the (resolved) maximum length."""
+def plan_layout(config: EngineConfig, *, room: int | None = None) -> SlotLayout:
+    """Slot capacities from the engine limits and the (resolved) maximum length.
+
+    The worker picks a step's limits by its device's memory, once it has seen it: the slots
+    hold the largest limits it can pick. Where that takes more than ``room`` bytes (the
+    shared memory free) and a small device's defaults fit, the slots hold those, and the
+    worker keeps within them: a container's 64 MB ``/dev/shm`` serves 256 sequences a step
+    where 1,024 need more."""
     assert config.model.max_model_len is not None, "resolve_limits first"
     block_size = config.cache.block_size
     source = resolve_model(config.model.model, config.model.revision)
-    # The worker picks the step's limits by its device's memory, once it has seen it: the
-    # slots hold the largest limits it can pick.
-    memory = None if config.model.device == "cpu" else LARGE_DEVICE_MEMORY
-    limits = SlotLimits(
-        max_tokens=config.scheduler.batch_tokens(memory),
-        max_seqs=config.scheduler.num_seqs(memory),
-        max_blocks_per_seq=-(-config.model.max_model_len // block_size),
-        vocab_size=int(source.config.get_text_config().vocab_size),
+    num_slots = max(2, config.scheduler.max_in_flight)
+
+    def layout(device_memory: int | None) -> SlotLayout:
+        limits = SlotLimits(
+            max_tokens=config.scheduler.batch_tokens(device_memory),
+            max_seqs=config.scheduler.num_seqs(device_memory),
+            max_blocks_per_seq=-(-config.model.max_model_len // block_size),
+            vocab_size=int(source.config.get_text_config().vocab_size),
+        )
+        # One slot per step in flight (the scheduler writes a slot only once its last step
+        # is back), and two at least: the layout double-buffers.
+        return SlotLayout.build(limits, num_slots=num_slots)
+
+    if config.model.device == "cpu":
+        return layout(None)
+    largest = layout(LARGE_DEVICE_MEMORY)
+    if room is None or largest.segment_nbytes <= room:
+        return largest
+    small = layout(None)
+    if small.segment_nbytes > room:
+        return largest  # neither fits: check_room says what the largest needs
+    log.info(
+        "the shared memory has %.0f MB free: slots for %d sequences and %d tokens a step "
+        "(%.0f MB), not %d and %d (%.0f MB)",
+        room / 1e6,
+        small.limits.max_seqs,
+        small.limits.max_tokens,
+        small.segment_nbytes / 1e6,
+        largest.limits.max_seqs,
+        largest.limits.max_tokens,
+        largest.segment_nbytes / 1e6,
     )
-    # One slot per step in flight (the scheduler writes a slot only once its last step is
-    # back), and two at least: the layout double-buffers.
-    return SlotLayout.build(limits, num_slots=max(2, config.scheduler.max_in_flight))
+    return small
 
 
 class Launcher:
@@ -223,7 +251,7 @@ class Launcher:
         """Serve until a signal (exit 0) or a child's death (exit 1)."""
         try:
             self.config = resolve_limits(self.config)
-            layout = plan_layout(self.config)
+            layout = plan_layout(self.config, room=free_bytes())
             check_room(layout.segment_nbytes)
         except (ValueError, SharedMemoryTooSmall) as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)

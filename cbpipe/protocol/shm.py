@@ -27,13 +27,18 @@ class SharedMemoryTooSmall(RuntimeError):
     """``/dev/shm`` has less room than the slots need."""
 
 
+def free_bytes(folder: str = SHM_DIR) -> int:
+    """The room left in ``folder``'s file system, for an unprivileged writer."""
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
 def check_room(nbytes: int, folder: str = SHM_DIR) -> None:
     """Raise ``SharedMemoryTooSmall`` unless ``folder`` has ``nbytes`` free. Checked before
     creating the segment: a tmpfs out of room answers the first write to a page with SIGBUS,
     which kills the launcher with no word of why (a container's /dev/shm is 64 MB unless it
     is given more)."""
-    stats = os.statvfs(folder)
-    free = stats.f_bavail * stats.f_frsize
+    free = free_bytes(folder)
     if free < nbytes:
         raise SharedMemoryTooSmall(
             f"the slots need {nbytes / 1e6:.0f} MB of shared memory and {folder} has "

@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from cbpipe.collector import CollectionClock, CollectorPacing
+from cbpipe.config import SchedulerConfig
 from cbpipe.lifetime import process_age_s
 from cbpipe.logs import setup_logging
 from cbpipe.models import resolve_model
@@ -38,6 +39,7 @@ from cbpipe.protocol.messages import (
 )
 from cbpipe.protocol.security import seal
 from cbpipe.protocol.shm import AttachedSegment
+from cbpipe.protocol.slots import SlotLimits
 from cbpipe.worker import attention
 from cbpipe.worker.blas import BlasLibraries, use_blas_library
 from cbpipe.worker.compile_ahead import CompileAhead, CompileJob, ahead_variants, needs_compiling
@@ -180,8 +182,7 @@ def _load(
         log.info("matrix products on %s", blas)
     phases.done("device")
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
-    max_batch_tokens = config.scheduler.batch_tokens(memory)
-    max_num_seqs = config.scheduler.num_seqs(memory)
+    max_num_seqs, max_batch_tokens = step_limits(config.scheduler, memory, spec.layout.limits)
     log.info("%d sequences and %d tokens a step at most", max_num_seqs, max_batch_tokens)
     model, paged = load_paged_model(
         source,
@@ -274,6 +275,27 @@ def _load(
         world_size=tp.world_size,
     )
     return runner, segment, hello
+
+
+def step_limits(
+    scheduler: SchedulerConfig, device_memory: int | None, slots: SlotLimits
+) -> tuple[int, int]:
+    """The most sequences and tokens a step holds: the flags, else the defaults for a device
+    of ``device_memory`` bytes, within what the slots hold (the launcher sizes them for a
+    small device's defaults where the shared memory has no room for a large one's)."""
+    num_seqs = scheduler.num_seqs(device_memory)
+    num_tokens = scheduler.batch_tokens(device_memory)
+    if num_seqs > slots.max_seqs or num_tokens > slots.max_tokens:
+        log.warning(
+            "this device takes %d sequences and %d tokens a step by default, but /dev/shm had "
+            "room for slots of %d and %d only: give it more (docker run --shm-size=1g, or "
+            "--ipc=host) for the larger steps",
+            num_seqs,
+            num_tokens,
+            slots.max_seqs,
+            slots.max_tokens,
+        )
+    return min(num_seqs, slots.max_seqs), min(num_tokens, slots.max_tokens)
 
 
 class StartupPhases:

@@ -93,6 +93,35 @@ def test_the_step_limits_follow_the_device_unless_given() -> None:
     assert (cpu.max_tokens, cpu.max_seqs) == (2048, 256)
 
 
+def test_slots_for_a_small_device_where_the_shared_memory_has_no_room_for_a_large_one() -> None:
+    from cbpipe.launcher import plan_layout, resolve_limits
+
+    resolved = resolve_limits(config.EngineConfig())
+    large, small = plan_layout(resolved), plan_layout(resolve_limits(config.EngineConfig(
+        model=config.ModelConfig(device="cpu"))))  # fmt: skip
+    assert small.segment_nbytes < large.segment_nbytes
+    fits = lambda room: plan_layout(resolved, room=room).limits  # noqa: E731
+    assert fits(large.segment_nbytes) == large.limits
+    assert fits(large.segment_nbytes - 1) == small.limits == fits(small.segment_nbytes)
+    # Neither fits: the largest, for the launcher's refusal to say what it needs.
+    assert fits(small.segment_nbytes - 1) == large.limits
+
+
+def test_the_worker_keeps_within_the_slots_and_says_why(caplog) -> None:
+    from cbpipe.protocol.slots import SlotLimits
+    from cbpipe.worker.process import step_limits
+
+    h200 = 140 << 30
+    defaults = config.SchedulerConfig()
+    roomy = SlotLimits(max_tokens=8192, max_seqs=1024, max_blocks_per_seq=8)
+    assert step_limits(defaults, h200, roomy) == (1024, 8192)
+    assert step_limits(defaults, None, roomy) == (256, 2048)  # the CPU under slots for a GPU
+    assert not caplog.records
+    cramped = SlotLimits(max_tokens=2048, max_seqs=256, max_blocks_per_seq=8)
+    assert step_limits(defaults, h200, cramped) == (256, 2048)
+    assert "--shm-size" in caplog.text and "1024 sequences" in caplog.text
+
+
 def test_limits_given_together_must_leave_a_row_for_every_sequence() -> None:
     both = config.SchedulerConfig(max_batch_tokens=64, max_num_seqs=128)
     with pytest.raises(ValueError, match="max-batch-tokens must be >= --max-num-seqs"):
