@@ -52,7 +52,7 @@ FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation job.
 
