@@ -251,8 +251,9 @@ class Launcher:
         """Serve until a signal (exit 0) or a child's death (exit 1)."""
         try:
             self.config = resolve_limits(self.config)
-            layout = plan_layout(self.config, room=free_bytes())
-            check_room(layout.segment_nbytes)
+            room = free_bytes()
+            layout = plan_layout(self.config, room=room)
+            check_room(layout.segment_nbytes, room)
         except (ValueError, SharedMemoryTooSmall) as exc:
             print(f"cbpipe-launch: {exc}", file=sys.stderr)
             return 2

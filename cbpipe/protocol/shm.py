@@ -33,12 +33,11 @@ def free_bytes(folder: str = SHM_DIR) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def check_room(nbytes: int, folder: str = SHM_DIR) -> None:
-    """Raise ``SharedMemoryTooSmall`` unless ``folder`` has ``nbytes`` free. Checked before
-    creating the segment: a tmpfs out of room answers the first write to a page with SIGBUS,
-    which kills the launcher with no word of why (a container's /dev/shm is 64 MB unless it
-    is given more)."""
-    free = free_bytes(folder)
+def check_room(nbytes: int, free: int, folder: str = SHM_DIR) -> None:
+    """Raise ``SharedMemoryTooSmall`` unless ``free`` (``free_bytes(folder)``) covers
+    ``nbytes``. Checked before creating the segment: a tmpfs out of room answers the first
+    write to a page with SIGBUS, which kills the launcher with no word of why (a container's
+    /dev/shm is 64 MB unless it is given more)."""
     if free < nbytes:
         raise SharedMemoryTooSmall(
             f"the slots need {nbytes / 1e6:.0f} MB of shared memory and {folder} has "

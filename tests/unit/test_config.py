@@ -97,8 +97,8 @@ def test_slots_for_a_small_device_where_the_shared_memory_has_no_room_for_a_larg
     from cbpipe.launcher import plan_layout, resolve_limits
 
     resolved = resolve_limits(config.EngineConfig())
-    large, small = plan_layout(resolved), plan_layout(resolve_limits(config.EngineConfig(
-        model=config.ModelConfig(device="cpu"))))  # fmt: skip
+    cpu = config.EngineConfig(model=config.ModelConfig(device="cpu"))
+    large, small = plan_layout(resolved), plan_layout(resolve_limits(cpu))
     assert small.segment_nbytes < large.segment_nbytes
     fits = lambda room: plan_layout(resolved, room=room).limits  # noqa: E731
     assert fits(large.segment_nbytes) == large.limits
