@@ -46,7 +46,8 @@
 #            scheduler waits for the device between bursts (a step's data goes cold meanwhile);
 #            HOSTCPU_STRUCTURED="0.25 1.0" also runs it with those fractions of the requests
 #            under a JSON schema (structured output), on a BPE of 128000 tokens trained on the
-#            host's Python sources (+1-3 min)
+#            host's Python sources (+1-3 min); HOSTCPU_SEQS=1024 runs the plain and
+#            interval runs with 1,024 sequences and 8,192 tokens a step (a large GPU's defaults)
 #   bench    random:llama-8b x32 and random:llama-1b x256, 128 prompt + BENCH_OUTPUT_LEN new
 #            tokens, async and sync, with the default flags (the decode forward compiled:
 #            a cold compile cache adds 1-2 minutes to the first start-up of each model; each
@@ -499,17 +500,22 @@ if want hostcpu; then
         lscpu | grep -E "Model name|MHz|^CPU\(s\)|Thread|Socket|NUMA node\(s\)"
         at_1b_shape() {  # at_1b_shape TITLE REQUESTS FLAGS...: bench_scheduler.py, 128 + output
             section "bench_scheduler.py at the 1B bench's shape, $1"
-            "$PY" scripts/bench_scheduler.py --num-requests "$2" --max-num-seqs 256 \
-                --prompt-len 128 128 --output-len "$output_len" "$output_len" "${@:3}" \
+            "$PY" scripts/bench_scheduler.py --num-requests "$2" --max-num-seqs "$seqs" \
+                --max-batch-tokens "$tokens" --prompt-len 128 128 \
+                --output-len "$output_len" "$output_len" "${@:3}" \
                 | grep -E "intake|decode-only|with prefill"
             echo "exit code ${PIPESTATUS[0]}"
         }
+        seqs=${HOSTCPU_SEQS:-256}
+        tokens=$((seqs > 256 ? 8192 : 2048))
         for run in $(seq "${HOSTCPU_RUNS:-3}"); do
-            at_1b_shape "run $run" 256
+            at_1b_shape "run $run, $seqs sequences" "$seqs"
         done
         for interval in ${HOSTCPU_INTERVALS-1 3}; do
-            at_1b_shape "$interval ms between steps" 256 --step-interval-ms "$interval"
+            at_1b_shape "$interval ms between steps, $seqs sequences" "$seqs" \
+                --step-interval-ms "$interval"
         done
+        seqs=256 tokens=2048
         for fraction in ${HOSTCPU_STRUCTURED:-}; do
             at_1b_shape "$fraction under a JSON schema" 768 --structured "$fraction" \
                 --tokenizer synthetic:128000
