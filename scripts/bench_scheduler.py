@@ -53,6 +53,7 @@ from cbpipe.protocol.slots import SlotLayout, SlotLimits, SlotViews
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
+from cbpipe.scheduler.loop import YOUNG_OBJECTS_PER_SEQUENCE
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.structured import Grammars
 
@@ -221,7 +222,8 @@ def parse_args() -> argparse.Namespace:
         "--gc",
         choices=("paced", "default"),
         default="paced",
-        help="paced: the engine's CollectorPacing (full collections off the step path); "
+        help="paced: the engine's CollectorPacing (full collections off the step path, the "
+        "young generation sized for the steps); "
         "default: Python's automatic collections",
     )
     args = p.parse_args()
@@ -311,7 +313,7 @@ def main() -> None:
 
     collector = CollectorPacing()
     if args.gc == "paced":
-        collector.start()
+        collector.start(YOUNG_OBJECTS_PER_SEQUENCE * args.max_num_seqs)
     gc.callbacks.append(on_collection)
     in_flight: list[tuple[StepPlan, int, Step]] = []
 

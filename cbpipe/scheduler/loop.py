@@ -52,6 +52,12 @@ MAX_MESSAGES_PER_POLL = 1024
 # is rare and a false alarm ends the engine.
 STEP_DEADLINE_FACTOR = 20.0
 _RECENT_STEPS = 64
+# A step makes two or three objects per sequence that the cyclic collector tracks (its plan's
+# rows, its updates, the clients' entries), alive until the step is applied and streamed, a
+# few steps at once. A young generation smaller than that is collected every step for nothing:
+# at the interpreter's 700, six times a step of 1,024 sequences, about a tenth of the
+# scheduler's CPU (docs/PERFORMANCE.md, session 47).
+YOUNG_OBJECTS_PER_SEQUENCE = 8
 
 
 class WorkerLost(RuntimeError):
@@ -207,6 +213,11 @@ class EngineLoop:
                 if not self.in_flight and not self.scheduler.has_work:
                     self.collector.on_idle()
                 self._poll(timeout_ms=POLL_MS)
+
+    def start_collector(self) -> None:
+        """Pace the garbage collector for serving (``CollectorPacing``), its young generation
+        sized for this scheduler's steps."""
+        self.collector.start(YOUNG_OBJECTS_PER_SEQUENCE * self.scheduler.max_num_seqs)
 
     def stop(self) -> None:
         self.stopping = True

@@ -74,7 +74,7 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
     exit_code = 0
     try:
         loop = _start(spec, sockets, segment)
-        loop.collector.start()
+        loop.start_collector()
         ready.send(("ready", spec.addresses.client))
         _stop_on_signals(loop)
         loop.run()

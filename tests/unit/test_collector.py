@@ -70,6 +70,42 @@ def test_python_would_have_collected_fully_without_it() -> None:
         gc.unfreeze()
 
 
+def _step_like_churn() -> None:
+    """Steps' worth of objects: each made, held while its step is in flight, then freed."""
+    for _ in range(50):
+        step = [(i, None) for i in range(3000)]
+        del step
+
+
+def test_a_young_threshold_lets_objects_that_die_young_go_unwalked() -> None:
+    before = gc.get_threshold()
+    gc.freeze()
+    pacing = CollectorPacing(max_interval_s=3600)
+    try:
+        pacing.start(young_threshold=10_000)
+        assert gc.get_threshold()[0] == 10_000
+        with CollectionClock() as clock:
+            _step_like_churn()
+        assert clock.counts[0] == 0
+        pacing.stop()
+        assert gc.get_threshold() == before
+        pacing.start()  # the control: the interpreter's own young generation
+        with CollectionClock() as clock:
+            _step_like_churn()
+        assert clock.counts[0] >= 10  # about once a step here
+    finally:
+        pacing.stop()
+        gc.unfreeze()
+    assert gc.get_threshold() == before
+
+
+def test_a_young_threshold_never_lowers_the_interpreter_s(pacing: CollectorPacing) -> None:
+    pacing.stop()
+    young = gc.get_threshold()[0]
+    pacing.start(young_threshold=young // 2)
+    assert gc.get_threshold()[0] == young
+
+
 def test_idle_collects_cycles_that_reached_the_old_generation(pacing: CollectorPacing) -> None:
     node = Node()
     alive = weakref.ref(node)
