@@ -270,7 +270,9 @@ class EngineConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     address: str | None = _opt(
-        None, "client address (zmq, e.g. tcp://127.0.0.1:5555); default: a new ipc:// path"
+        None,
+        "client address (zmq, e.g. tcp://127.0.0.1:5555; port 0: any free one, named on the "
+        "ready line); default: a new ipc:// path",
     )
     allow_remote: bool = _opt(
         False,

@@ -303,7 +303,7 @@ class Launcher:
             assert segment.buf is not None
             heartbeats = spec.heartbeats(segment.buf)
             self._install_signal_handlers()
-            details = self._start_children(spec, specs, children)
+            spec, details = self._start_children(spec, specs, children)
             if self.stop_requested:
                 return 0
             print(_ready_line(spec, children, details, time.monotonic() - started), flush=True)
@@ -332,11 +332,12 @@ class Launcher:
         spec: RunSpec,
         specs: list[ChildSpec],
         children: dict[str, mp.process.BaseProcess],
-    ) -> dict[str, str]:
+    ) -> tuple[RunSpec, dict[str, str]]:
         """Start every child once those it comes after are ready; wait until all are.
 
         ``children`` fills as they start (the caller stops them whatever happens); returns
-        what each reported with its readiness (its address, say).
+        the run's spec with the client address the scheduler bound (children started after
+        it were given that one), and what each child reported with its readiness.
         """
         context = _child_context()
         pending = list(specs)
@@ -369,7 +370,9 @@ class Launcher:
                 log.info("%s ready: %s", name, detail)
                 ready[name] = detail
                 del waiting[name]
-        return ready
+                if name == "scheduler":  # it reports the address it listens on
+                    spec = spec.with_client_address(detail)
+        return spec, ready
 
     def _watch(
         self,

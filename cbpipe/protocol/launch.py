@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from cbpipe.config import EngineConfig
@@ -68,6 +68,13 @@ class RunSpec:
     @property
     def worker_names(self) -> tuple[str, ...]:
         return worker_names(self.config.worker.tensor_parallel_size)
+
+    def with_client_address(self, client: str) -> RunSpec:
+        """The same run, its clients' address as the scheduler bound it (the port it chose
+        for ``tcp://HOST:0``), for the children that start after it."""
+        if client == self.addresses.client:
+            return self
+        return replace(self, addresses=replace(self.addresses, client=client))
 
     @cached_property
     def layout(self) -> SlotLayout:

@@ -48,6 +48,17 @@ def is_local_address(address: str) -> bool:
         return False  # "*", an interface or a host name
 
 
+def reachable_address(requested: str, bound: str) -> str:
+    """The address clients reach a socket on that was asked to bind ``requested`` and bound
+    ``bound`` (ZeroMQ's last endpoint): ``requested`` itself, with the port the system chose
+    where it asked for any (``tcp://127.0.0.1:0`` or ``:*``). The host stays as given: the
+    endpoint spells a name or a wildcard as the address it resolved to."""
+    asked, got = _TCP.match(requested), _TCP.match(bound)
+    if asked is None or got is None or asked["port"] not in ("0", "*"):
+        return requested
+    return f"{requested[: asked.start('port')]}{got['port']}"
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """Both ends' CURVE keypairs (Z85), derived from the shared key."""

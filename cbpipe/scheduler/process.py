@@ -21,7 +21,7 @@ from cbpipe.models import ModelSource, resolve_model
 from cbpipe.protocol.launch import RunSpec
 from cbpipe.protocol.liveness import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from cbpipe.protocol.messages import MAX_FRAME_BYTES, WorkerFailed, WorkerReady, decode
-from cbpipe.protocol.security import CurveKeys, uses_curve
+from cbpipe.protocol.security import CurveKeys, reachable_address, uses_curve
 from cbpipe.protocol.shm import AttachedSegment
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import Scheduler
@@ -75,7 +75,7 @@ def scheduler_main(spec: RunSpec, ready: Connection) -> None:
     try:
         loop = _start(spec, sockets, segment)
         loop.start_collector()
-        ready.send(("ready", spec.addresses.client))
+        ready.send(("ready", sockets.client_address))
         _stop_on_signals(loop)
         loop.run()
     except Exception as exc:
@@ -124,6 +124,7 @@ class EngineSockets:
     steps: zmq.Socket
     results: zmq.Socket
     monitor: zmq.Socket
+    client_address: str  # where clients reach ``clients``: with the port chosen, if asked
     authenticator: ThreadAuthenticator | None = None
 
     @classmethod
@@ -169,7 +170,10 @@ class EngineSockets:
         # worker's exit: the engine stopped.
         monitor = results.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         results.bind(spec.addresses.worker_results)
-        return cls(clients, steps, results, monitor, authenticator)
+        client_address = reachable_address(
+            spec.addresses.client, clients.getsockopt_string(zmq.LAST_ENDPOINT)
+        )
+        return cls(clients, steps, results, monitor, client_address, authenticator)
 
     def close(self) -> None:
         """Close the sockets, the results socket's monitor first and detached before it

@@ -222,7 +222,7 @@ def shared_engine_flags(name: str) -> tuple[str, ...]:
             "--max-model-len",
             str(SYNC_MAX_MODEL_LEN),
             "--address",
-            free_tcp_address(),
+            "tcp://127.0.0.1:0",  # any free port, as the ready line names it
         )
     if name == "text_engine":  # two steps in flight: the other engines run one and three
         return ("--model", str(TEXT_MODEL_DIR), "--device", "cpu", "--num-blocks", "512",
@@ -232,7 +232,9 @@ def shared_engine_flags(name: str) -> tuple[str, ...]:
                 "--port", "0", "--api-key", HTTP_API_KEY, "--served-model-name", HTTP_MODEL_NAME,
                 "--chat-template", str(CHAT_TEMPLATE))  # fmt: skip
     if name == "http_tiny_engine":  # no tokenizer; two server processes share the port
-        return (*MODEL_FLAGS, "--port", "0", "--api-server-count", "2")
+        # and reach the scheduler on the TCP port it chose: the launcher hands it on.
+        return (*MODEL_FLAGS, "--port", "0", "--api-server-count", "2",
+                "--address", "tcp://127.0.0.1:0")  # fmt: skip
     raise KeyError(name)
 
 

@@ -26,7 +26,6 @@ from cbpipe.protocol import PROTOCOL_VERSION
 from tests.integration.conftest import (
     MODEL_FLAGS,
     EngineRun,
-    free_tcp_address,
     launch_engine,
     leftover_segments,
     process_start_time,
@@ -211,24 +210,24 @@ def test_the_next_launch_removes_what_a_killed_launch_left() -> None:
 
 
 def test_listening_beyond_this_host_needs_allow_remote_and_a_key() -> None:
-    port = free_tcp_address().rsplit(":", 1)[1]
+    anywhere = "tcp://0.0.0.0:0"  # any free port, which the ready line names
     launch = [sys.executable, "-m", "cbpipe.launcher", *MODEL_FLAGS]
-    refused = subprocess.run(
-        [*launch, "--address", f"tcp://0.0.0.0:{port}"], capture_output=True, text=True
-    )
+    refused = subprocess.run([*launch, "--address", anywhere], capture_output=True, text=True)
     assert refused.returncode == 2 and "--allow-remote" in refused.stderr
     no_key = subprocess.run(
-        [*launch, "--address", f"tcp://0.0.0.0:{port}", "--allow-remote"],
+        [*launch, "--address", anywhere, "--allow-remote"],
         capture_output=True,
         text=True,
         env={k: v for k, v in os.environ.items() if k != "CBPIPE_API_KEY"},
     )
     assert no_key.returncode == 2 and "--api-key" in no_key.stderr
-    flags = (*MODEL_FLAGS, "--address", f"tcp://0.0.0.0:{port}", "--allow-remote")
+    flags = (*MODEL_FLAGS, "--address", anywhere, "--allow-remote")
     with launch_engine(*flags, "--api-key", "k3y", timeout=180) as run:
+        host, port = run.address.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "0.0.0.0" and port.isdigit() and port != "0", run.address
         # A second engine on the taken address says so in a line, and harms the first.
         taken = subprocess.run(
-            [*launch, *flags[len(MODEL_FLAGS) :], "--api-key", "k3y"],
+            [*launch, "--address", run.address, "--allow-remote", "--api-key", "k3y"],
             capture_output=True,
             text=True,
         )

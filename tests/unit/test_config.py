@@ -202,6 +202,27 @@ def test_addresses_beyond_this_host_need_allow_remote_and_a_key(address: str, lo
     assert "secret" not in repr(keyed)
 
 
+@pytest.mark.parametrize(
+    ("requested", "bound", "reachable"),
+    [
+        ("tcp://127.0.0.1:0", "tcp://127.0.0.1:41935", "tcp://127.0.0.1:41935"),
+        ("tcp://127.0.0.1:*", "tcp://127.0.0.1:41935", "tcp://127.0.0.1:41935"),
+        # The host stays as given, not as ZeroMQ resolved it.
+        ("tcp://localhost:0", "tcp://127.0.0.1:41935", "tcp://localhost:41935"),
+        ("tcp://0.0.0.0:0", "tcp://0.0.0.0:41935", "tcp://0.0.0.0:41935"),
+        ("tcp://[::1]:0", "tcp://[::1]:41935", "tcp://[::1]:41935"),
+        ("tcp://localhost:5555", "tcp://127.0.0.1:5555", "tcp://localhost:5555"),
+        ("ipc:///tmp/run/client.sock", "ipc:///tmp/run/client.sock", "ipc:///tmp/run/client.sock"),
+    ],
+)
+def test_clients_are_told_the_port_a_socket_chose(
+    requested: str, bound: str, reachable: str
+) -> None:
+    from cbpipe.protocol.security import reachable_address
+
+    assert reachable_address(requested, bound) == reachable
+
+
 @pytest.mark.parametrize(("cores", "processes"), [(1, 1), (2, 1), (8, 2), (16, 4), (128, 4)])
 def test_http_server_processes_follow_the_host_unless_given(
     monkeypatch: pytest.MonkeyPatch, cores: int, processes: int
