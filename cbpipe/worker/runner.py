@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from cbpipe.collector import CollectionClock
 from cbpipe.protocol.messages import SamplingMode, Step, StepDone
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
@@ -147,27 +148,39 @@ class DeviceClock:
         return self.reference_ns + int(self.reference.elapsed_time(event) * 1e6)
 
 
-class AllocatorRetries:
-    """Counts the caching allocator's retries since the runner was ready.
+class AllocatorDelta(NamedTuple):
+    """What the caching allocator did between two checks."""
+
+    retries: int  # requests its cache could not serve: it freed the cache and asked again
+    device_allocations: int  # memory it asked CUDA for (cudaMalloc)
+
+
+class AllocatorWatch:
+    """The caching allocator's retries and device allocations since the runner was ready.
 
     A request that its cached blocks cannot serve makes it free them all, which synchronises
     the device, and ask CUDA again: the host stalls inside the launch that asked, and the
-    device runs dry behind it.
+    device runs dry behind it. A request it has no free cached block for asks CUDA for more
+    memory, which takes the host longer than a cached block does.
     """
 
     def __init__(self, read_stats: Callable[[], Mapping[str, int]]) -> None:
         self._read_stats = read_stats
         self._last = self._read()
-        self.since_ready = 0
+        self.since_ready = 0  # retries
 
-    def _read(self) -> int:
-        return int(self._read_stats().get("num_alloc_retries", 0))
+    def _read(self) -> AllocatorDelta:
+        stats = self._read_stats()
+        return AllocatorDelta(
+            int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_alloc", 0))
+        )
 
-    def check(self) -> int:
-        """Retries since the last check."""
+    def check(self) -> AllocatorDelta:
+        """What it did since the last check."""
         now = self._read()
-        new, self._last = now - self._last, now
-        self.since_ready += new
+        new = AllocatorDelta(*(a - b for a, b in zip(now, self._last, strict=True)))
+        self._last = now
+        self.since_ready += new.retries
         return new
 
 
@@ -343,7 +356,9 @@ class StepRunner:
                 raise RuntimeError(f"cudaHostRegister failed with status {status}")
             self._registered_ptr = host.data_ptr()
             self.startup_seconds["host registration"] = time.perf_counter() - started
-        self._allocator: AllocatorRetries | None = None
+        self._allocator: AllocatorWatch | None = None
+        self._collections: CollectionClock | None = None
+        self._collections_seen = 0
         try:
             if graph_batch_sizes:
                 self._capture_graphs(graph_batch_sizes, full_sampling_graphs)  # warms up too
@@ -355,7 +370,9 @@ class StepRunner:
             self.close()
             raise
         if self.cuda:
-            self._allocator = AllocatorRetries(lambda: torch.cuda.memory_stats(device))
+            self._allocator = AllocatorWatch(lambda: torch.cuda.memory_stats(device))
+            if log.isEnabledFor(logging.DEBUG):  # each step's collections, in its launch line
+                self._collections = CollectionClock().start()
 
     @property
     def compiled(self) -> bool:
@@ -593,6 +610,9 @@ class StepRunner:
                     self._allocator.since_ready,
                 )
             self._allocator = None
+        if self._collections is not None:
+            self._collections.stop()
+            self._collections = None
         if self._registered_ptr is not None:
             with contextlib.suppress(RuntimeError):  # a failed capture may have left an error
                 torch.cuda.synchronize(self.device)
@@ -665,7 +685,7 @@ class StepRunner:
         launched_ns = time.perf_counter_ns()
         # Reading the allocator's statistics costs more than a small step's launch.
         if self._allocator is not None and log.isEnabledFor(logging.DEBUG):
-            self._log_allocator_retries(step, (launched_ns - recv_ns) / 1e6)
+            self._log_launch(step, (launched_ns - recv_ns) / 1e6, eager=graph is None)
         if not self.cuda:
             return LaunchedStep(step, recv_ns, launched_ns, compute_ns=(start_ns, end_ns))
         assert compute_start is not None and compute_end is not None
@@ -673,15 +693,28 @@ class StepRunner:
             step, recv_ns, launched_ns, self.d2h_done[k], (compute_start, compute_end), self.clock
         )
 
-    def _log_allocator_retries(self, step: Step, launch_ms: float) -> None:
+    def _log_launch(self, step: Step, launch_ms: float, *, eager: bool) -> None:
+        """At debug level: what may have held up an eager step's launch, or a replay's that
+        met one of these (the allocator asking CUDA, or freeing its cache and retrying; the
+        garbage collector)."""
         assert self._allocator is not None
-        if retries := self._allocator.check():
+        delta = self._allocator.check()
+        collections = 0
+        if self._collections is not None:
+            collections = sum(self._collections.counts) - self._collections_seen
+            self._collections_seen += collections
+        if eager or any(delta) or collections:
             log.debug(
-                "step %d: the caching allocator freed its cache and retried %d times; "
-                "the launch took %.1f ms",
+                "step %d (%d rows, %s): launched in %.1f ms; the caching allocator asked CUDA "
+                "for memory %d times and freed its cache and retried %d times; %d garbage "
+                "collections",
                 step.step,
-                retries,
+                step.num_tokens,
+                "eager" if eager else "from a graph",
                 launch_ms,
+                delta.device_allocations,
+                delta.retries,
+                collections,
             )
 
     def _copy_extras(self, step: Step, slot: SlotBuffers) -> None:
