@@ -702,8 +702,8 @@ class StepRunner:
 
     def _log_launch(self, step: Step, launch_ms: float, *, eager: bool) -> None:
         """At debug level: what may have held up an eager step's launch, or a replay's that
-        met one of these (the allocator asking CUDA, or freeing its cache and retrying; the
-        garbage collector)."""
+        met one of these: the allocator asking CUDA for memory, or freeing its cache and
+        retrying; the garbage collector (its collections since the previous launch)."""
         assert self._allocator is not None
         delta = self._allocator.check()
         collections = 0
@@ -714,7 +714,7 @@ class StepRunner:
             log.debug(
                 "step %d (%d rows, %s): launched in %.1f ms; the caching allocator asked CUDA "
                 "for memory %d times and freed its cache and retried %d times; %d garbage "
-                "collections",
+                "collections since the previous launch",
                 step.step,
                 step.num_tokens,
                 "eager" if eager else "from a graph",
