@@ -393,12 +393,8 @@ class StepRunner:
         prefill steps took 1.3-1.7 s instead of 70 ms, with the device idle. So each eager
         step's variants are met here: one decode row beside a prefill of every power-of-two
         length up to the step's token budget, and decode-only steps of every power-of-two
-        batch up to the slots' width, greedy, and one step of the whole budget with as many
-        decode rows as a step may have beside a prefill: the largest activations and the
-        most rows of logits at once, so that the caching allocator holds serving's peak
-        before it serves (a step that makes it ask CUDA for memory stalls in its launch);
-        then the sampled and fully processed samplers once each
-        (``StepSampling.warm_up_eager``). The steps read and write only the
+        batch up to the slots' width, greedy; then the sampled and fully processed samplers
+        once each (``StepSampling.warm_up_eager``). The steps read and write only the
         cache's padding block, through slot 0's own buffers, and nothing is in flight yet.
         On CUDA the products then run alone at row counts between those lengths
         (``blas.warm_product_plans``): a step's row count is any number up to the budget,
@@ -412,9 +408,6 @@ class StepRunner:
         # Decode-only batches of every power of two: the split count follows the batch size.
         batches = sorted({1 << i for i in range(widest.bit_length())} | {widest})
         shapes = [(beside, n) for n in lengths] + [(b, 0) for b in batches]
-        most_decodes = widest - 1  # and one prefill row at least
-        if most_decodes > beside and self.max_batch_tokens > most_decodes:
-            shapes.append((most_decodes, self.max_batch_tokens - most_decodes))
         num_products = 0
         with self._on(self.compute_stream):  # the slot's fills and the steps, in order
             for num_decodes, prefill_len in shapes:
