@@ -53,7 +53,7 @@ from cbpipe.protocol.slots import SlotLayout, SlotLimits, SlotViews
 from cbpipe.scheduler.block_manager import BlockManager
 from cbpipe.scheduler.core import RequestUpdate, Scheduler, StepPlan
 from cbpipe.scheduler.frontend import Frontend, ModelInfo
-from cbpipe.scheduler.loop import YOUNG_OBJECTS_PER_SEQUENCE
+from cbpipe.scheduler.loop import young_threshold
 from cbpipe.scheduler.packer import BatchPacker
 from cbpipe.scheduler.structured import Grammars
 
@@ -313,7 +313,7 @@ def main() -> None:
 
     collector = CollectorPacing()
     if args.gc == "paced":
-        collector.start(YOUNG_OBJECTS_PER_SEQUENCE * args.max_num_seqs)
+        collector.start(young_threshold(args.max_num_seqs))
     gc.callbacks.append(on_collection)
     in_flight: list[tuple[StepPlan, int, Step]] = []
 

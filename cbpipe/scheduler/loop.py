@@ -60,6 +60,11 @@ _RECENT_STEPS = 64
 YOUNG_OBJECTS_PER_SEQUENCE = 8
 
 
+def young_threshold(max_num_seqs: int) -> int:
+    """The young generation's size for a scheduler of ``max_num_seqs`` sequences a step."""
+    return YOUNG_OBJECTS_PER_SEQUENCE * max_num_seqs
+
+
 class WorkerLost(RuntimeError):
     pass
 
@@ -217,7 +222,7 @@ class EngineLoop:
     def start_collector(self) -> None:
         """Pace the garbage collector for serving (``CollectorPacing``), its young generation
         sized for this scheduler's steps."""
-        self.collector.start(YOUNG_OBJECTS_PER_SEQUENCE * self.scheduler.max_num_seqs)
+        self.collector.start(young_threshold(self.scheduler.max_num_seqs))
 
     def stop(self) -> None:
         self.stopping = True

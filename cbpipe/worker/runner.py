@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,7 +36,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from cbpipe.collector import CollectionClock
 from cbpipe.protocol.messages import SamplingMode, Step, StepDone
 from cbpipe.protocol.sampling import MAX_TOP_LOGPROBS
 from cbpipe.protocol.slots import (
@@ -182,6 +182,11 @@ class AllocatorWatch:
         self._last = now
         self.since_ready += new.retries
         return new
+
+
+def collections_so_far() -> int:
+    """The garbage collector's collections in this process, of every generation."""
+    return sum(generation["collections"] for generation in gc.get_stats())
 
 
 @dataclass
@@ -357,8 +362,7 @@ class StepRunner:
             self._registered_ptr = host.data_ptr()
             self.startup_seconds["host registration"] = time.perf_counter() - started
         self._allocator: AllocatorWatch | None = None
-        self._collections: CollectionClock | None = None
-        self._collections_seen = 0
+        self._collections_seen = 0  # the garbage collector's, at the last launch line
         try:
             if graph_batch_sizes:
                 self._capture_graphs(graph_batch_sizes, full_sampling_graphs)  # warms up too
@@ -371,8 +375,7 @@ class StepRunner:
             raise
         if self.cuda:
             self._allocator = AllocatorWatch(lambda: torch.cuda.memory_stats(device))
-            if log.isEnabledFor(logging.DEBUG):  # each step's collections, in its launch line
-                self._collections = CollectionClock().start()
+            self._collections_seen = collections_so_far()
 
     @property
     def compiled(self) -> bool:
@@ -610,9 +613,6 @@ class StepRunner:
                     self._allocator.since_ready,
                 )
             self._allocator = None
-        if self._collections is not None:
-            self._collections.stop()
-            self._collections = None
         if self._registered_ptr is not None:
             with contextlib.suppress(RuntimeError):  # a failed capture may have left an error
                 torch.cuda.synchronize(self.device)
@@ -699,10 +699,8 @@ class StepRunner:
         retrying; the garbage collector (its collections since the previous launch)."""
         assert self._allocator is not None
         delta = self._allocator.check()
-        collections = 0
-        if self._collections is not None:
-            collections = sum(self._collections.counts) - self._collections_seen
-            self._collections_seen += collections
+        seen, self._collections_seen = self._collections_seen, collections_so_far()
+        collections = self._collections_seen - seen
         if eager or any(delta) or collections:
             log.debug(
                 "step %d (%d rows, %s): launched in %.1f ms; the caching allocator asked CUDA "

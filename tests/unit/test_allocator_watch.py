@@ -23,22 +23,18 @@ def test_an_allocator_without_the_statistics_counts_none() -> None:
     assert watch.check() == AllocatorDelta(0, 0) and watch.since_ready == 0
 
 
-def test_an_eager_launch_s_debug_line_names_what_may_have_held_it_up(caplog) -> None:
+def test_an_eager_launch_s_debug_line_names_what_may_have_held_it_up(caplog, monkeypatch) -> None:
     import logging
     from types import SimpleNamespace
 
-    from cbpipe.collector import CollectionClock
+    from cbpipe.worker import runner as runner_module
     from cbpipe.worker.runner import StepRunner
 
     stats = {"num_alloc_retries": 0, "num_device_alloc": 7}
-    runner = SimpleNamespace(
-        _allocator=AllocatorWatch(lambda: stats),
-        _collections=CollectionClock(),
-        _collections_seen=0,
-    )
+    runner = SimpleNamespace(_allocator=AllocatorWatch(lambda: stats), _collections_seen=20)
     step = SimpleNamespace(step=12, num_tokens=8192)
     stats.update(num_device_alloc=9, num_alloc_retries=1)
-    runner._collections.counts = [3, 1, 0]
+    monkeypatch.setattr(runner_module, "collections_so_far", lambda: 24)
     with caplog.at_level(logging.DEBUG, logger="cbpipe.worker.runner"):
         StepRunner._log_launch(runner, step, 42.0, eager=True)  # type: ignore[arg-type]
         StepRunner._log_launch(runner, step, 1.0, eager=False)  # type: ignore[arg-type]
