@@ -65,11 +65,29 @@ class BlockManager:
     def grow(self, block_ids: list[int], num_tokens: int) -> None:
         """Append blocks to ``block_ids`` until it holds ``num_tokens`` tokens: free ones
         first, then the least recently used cached ones, which stop being cached."""
-        missing = self.num_missing_blocks(block_ids, num_tokens)
-        if missing > self.num_free_blocks:
+        if not self.try_grow(block_ids, num_tokens):
+            missing = self.num_missing_blocks(block_ids, num_tokens)
             raise OutOfBlocksError(f"need {missing} blocks, {self.num_free_blocks} free")
+
+    def try_grow(self, block_ids: list[int], num_tokens: int) -> bool:
+        """``grow``, or False and nothing taken where too few blocks are free. Every sequence
+        that decodes across a block's end comes here, each step some of them."""
+        missing = -(-num_tokens // self.block_size) - len(block_ids)
+        if missing <= 0:
+            return True
+        free = self._free
+        if missing <= len(free):
+            refs = self._refs
+            for _ in range(missing):
+                block = free.popleft()
+                refs[block] = 1
+                block_ids.append(block)
+            return True
+        if missing > len(free) + len(self._evictable):
+            return False
         for _ in range(missing):
             block_ids.append(self._take_free())
+        return True
 
     def free(self, block_ids: list[int]) -> None:
         """Release a table's blocks: uncached ones go back to the free list, cached ones stay
@@ -189,5 +207,8 @@ class BlockTables:
             wider = np.zeros((self.rows.shape[0], max(len(ids), 2 * self.rows.shape[1])), np.int32)
             wider[:, : self.rows.shape[1]] = self.rows
             self.rows = wider
-        self.rows[row, start : len(ids)] = ids[start:]
+        if start + 1 == len(ids):  # a decode's new block: a scalar store, not a slice's
+            self.rows[row, start] = ids[start]
+        else:
+            self.rows[row, start : len(ids)] = ids[start:]
         self._written[row] = len(ids)

@@ -371,15 +371,12 @@ class Scheduler:
     def _reserve_blocks(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
         """Grow ``req``'s table for ``num_new`` tokens, preempting the newest requests if needed."""
         total = req.num_computed_tokens + num_new
-        if total <= len(req.block_ids) * self.blocks.block_size:
-            return True  # most decode steps: the last block has room
-        while self.blocks.num_missing_blocks(req.block_ids, total) > self.blocks.num_free_blocks:
+        while not self.blocks.try_grow(req.block_ids, total):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is req:
                 return False
-        self.blocks.grow(req.block_ids, total)
         self.tables.sync(req)
         return True
 

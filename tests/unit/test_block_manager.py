@@ -1,6 +1,9 @@
+import hashlib
+import sys
+
 import pytest
 
-from cbpipe.scheduler.block_hashes import chain_hash
+from cbpipe.scheduler.block_hashes import chain_hash, chain_hashes
 from cbpipe.scheduler.block_manager import BlockManager, OutOfBlocksError
 
 
@@ -25,6 +28,19 @@ def test_grow_refuses_without_taking_anything() -> None:
     assert table == [] and blocks.num_free_blocks == 2
 
 
+def test_try_grow_takes_cached_blocks_last_and_refuses_without_taking_anything() -> None:
+    blocks = BlockManager(num_blocks=3, block_size=2, prefix_caching=True)
+    table, _ = published(blocks, 2, tag=1)
+    (cached,) = table
+    blocks.free(table)  # evictable: counts as free, given out last
+    assert blocks.try_grow(table, 4) and cached not in table
+    assert not blocks.try_grow(table, 8)  # 2 more blocks, 1 left
+    assert len(table) == 2 and blocks.num_free_blocks == 1 and blocks.num_cached_blocks == 1
+    assert blocks.try_grow(table, 6) and table[-1] == cached
+    assert blocks.num_cached_blocks == 0
+    blocks.check([table])
+
+
 def test_tables_never_share_blocks() -> None:
     blocks = BlockManager(num_blocks=6, block_size=2)
     a: list[int] = []
@@ -46,6 +62,18 @@ def test_block_hashes_chain_over_parents_tokens_and_salt() -> None:
     second = chain_hash(first, [5, 6, 7, 8], None)
     # The same tokens after another block are another block.
     assert second != chain_hash(chain_hash(None, [9, 9, 9, 9], None), [5, 6, 7, 8], None)
+
+
+def test_a_prompt_hashed_whole_chains_as_its_blocks_hashed_one_at_a_time() -> None:
+    """A prompt's blocks are hashed in one call, a decode's one block at a time: both must
+    name a block alike, or a cached reply would never be found."""
+    tokens = [7, 1 << 40, 0, 3, 128_255, 9, 2, 5, 11]  # two full blocks of 4 and a partial one
+    whole = chain_hashes(None, tokens, 4, "salt")
+    first = chain_hash(None, tokens[:4], "salt")
+    assert whole == [first, chain_hash(first, tokens[4:8], "salt")]
+    # What a hash covers: the parent's hash as the key, the tokens as 64-bit integers.
+    data = b"".join(t.to_bytes(8, sys.byteorder, signed=True) for t in tokens[4:8])
+    assert whole[1] == hashlib.blake2b(data, digest_size=16, key=first).digest()
 
 
 def published(blocks: BlockManager, num_tokens: int, tag: int) -> tuple[list[int], list[bytes]]:
