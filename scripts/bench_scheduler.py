@@ -302,6 +302,10 @@ def main() -> None:
     full_batch_ms: dict[tuple[str, int], list[float]] = defaultdict(list)
     cached_blocks: list[int] = []
     full_batch_sizes: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    # Full decode-only steps by whether sequences in them took a new block (and published
+    # the one they filled), and how many did: a block's end costs the plan extra bookkeeping.
+    crossing_ms: dict[bool, list[float]] = {True: [], False: []}
+    blocks_taken: list[int] = []
     pauses_ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
     collector_started = [0.0]
 
@@ -329,7 +333,9 @@ def main() -> None:
         if args.step_interval_ms:
             time.sleep(args.step_interval_ms / 1e3)
         start = time.process_time()
+        free_blocks = blocks.num_free_blocks
         plan = scheduler.schedule()
+        num_taken = free_blocks - blocks.num_free_blocks
         if not plan.seqs:  # everything left waits on the step in flight
             frontend.publish(apply_oldest()[1])
             continue
@@ -364,6 +370,10 @@ def main() -> None:
         # running but not in the step).
         if len(scheduler.running) == args.max_num_seqs:
             full_batch_ms[kind, step].append(elapsed * 1e3)
+            if packed.is_decode_only:
+                crossing_ms[num_taken > 0].append(elapsed * 1e3)
+                if num_taken > 0:
+                    blocks_taken.append(num_taken)
             full_batch_sizes[kind].append((packed.num_seqs, packed.num_token_masks))
             cached_blocks.append(blocks.num_cached_blocks)
             for part, seconds in parts.items():
@@ -402,6 +412,14 @@ def main() -> None:
     if cached_blocks:
         print(
             f"  blocks cached during full-batch steps: {min(cached_blocks)} to {max(cached_blocks)}"
+        )
+    if crossing_ms[True]:
+        others = crossing_ms[False]
+        print(
+            f"  decode-only: full-batch steps in which sequences took a new block: "
+            f"{len(crossing_ms[True])} ({statistics.mean(blocks_taken):.1f} blocks a step), "
+            f"median {statistics.median(crossing_ms[True]):.3f} ms; the others: {len(others)}"
+            + (f", median {statistics.median(others):.3f} ms" if others else "")
         )
     for kind, values in cpu_ms.items():
         if values:
