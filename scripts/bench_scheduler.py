@@ -332,8 +332,8 @@ def main() -> None:
     while scheduler.requests:
         if args.step_interval_ms:
             time.sleep(args.step_interval_ms / 1e3)
-        start = time.process_time()
         free_blocks = blocks.num_free_blocks
+        start = time.process_time()
         plan = scheduler.schedule()
         num_taken = free_blocks - blocks.num_free_blocks
         if not plan.seqs:  # everything left waits on the step in flight
