@@ -70,20 +70,9 @@ class BlockManager:
             raise OutOfBlocksError(f"need {missing} blocks, {self.num_free_blocks} free")
 
     def try_grow(self, block_ids: list[int], num_tokens: int) -> bool:
-        """``grow``, or False and nothing taken where too few blocks are free. Every sequence
-        that decodes across a block's end comes here, each step some of them."""
-        missing = -(-num_tokens // self.block_size) - len(block_ids)
-        if missing <= 0:
-            return True
-        free = self._free
-        if missing <= len(free):
-            refs = self._refs
-            for _ in range(missing):
-                block = free.popleft()
-                refs[block] = 1
-                block_ids.append(block)
-            return True
-        if missing > len(free) + len(self._evictable):
+        """``grow``, or False and nothing taken where too few blocks are free."""
+        missing = self.blocks_for(num_tokens) - len(block_ids)
+        if missing > self.num_free_blocks:
             return False
         for _ in range(missing):
             block_ids.append(self._take_free())

@@ -3,7 +3,11 @@ and the memory it asks CUDA for, counted from the runner being ready."""
 
 from __future__ import annotations
 
-from cbpipe.worker.runner import AllocatorDelta, AllocatorWatch
+import logging
+from types import SimpleNamespace
+
+from cbpipe.worker import runner as runner_module
+from cbpipe.worker.runner import AllocatorDelta, AllocatorWatch, StepRunner
 
 
 def test_retries_and_allocations_count_from_the_runner_being_ready() -> None:
@@ -24,12 +28,6 @@ def test_an_allocator_without_the_statistics_counts_none() -> None:
 
 
 def test_an_eager_launch_s_debug_line_names_what_may_have_held_it_up(caplog, monkeypatch) -> None:
-    import logging
-    from types import SimpleNamespace
-
-    from cbpipe.worker import runner as runner_module
-    from cbpipe.worker.runner import StepRunner
-
     stats = {"num_alloc_retries": 0, "num_device_alloc": 7}
     runner = SimpleNamespace(_allocator=AllocatorWatch(lambda: stats), _collections_seen=20)
     step = SimpleNamespace(step=12, num_tokens=8192)
