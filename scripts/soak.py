@@ -153,6 +153,20 @@ def junk(address: str, rng: random.Random) -> None:
     context.term()
 
 
+def engine_counters(address: str) -> dict[str, int]:
+    """The engine's own counters at the end: whether a soak with a small KV cache preempted,
+    and how much the prefix cache found."""
+    with Client(address) as client:
+        stats = client.stats()
+    return {
+        "steps": stats.num_steps,
+        "preemptions": stats.num_preemptions,
+        "prompt_tokens": stats.num_prompt_tokens,
+        "generation_tokens": stats.num_generation_tokens,
+        "prefix_hit_tokens": stats.num_prefix_hit_tokens,
+    }
+
+
 def main() -> None:
     args = parse_args()
     engine = None
@@ -197,6 +211,7 @@ def main() -> None:
         "counts": dict(tally.counts),
         "wrong": tally.wrong,
         "engine_alive_at_end": alive,
+        "engine_counters": engine_counters(address) if alive else None,
         "memory_mb": memory,
     }
     if engine is not None:
