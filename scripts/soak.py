@@ -153,11 +153,15 @@ def junk(address: str, rng: random.Random) -> None:
     context.term()
 
 
-def engine_counters(address: str) -> dict[str, int]:
+def engine_counters(address: str) -> dict[str, int | str]:
     """The engine's own counters at the end: whether a soak with a small KV cache preempted,
-    and how much the prefix cache found."""
-    with Client(address) as client:
-        stats = client.stats()
+    and how much the prefix cache found. An engine that does not answer fails the soak, with
+    its figures still written."""
+    try:
+        with Client(address) as client:
+            stats = client.stats()
+    except EngineError as exc:
+        return {"error": str(exc)}
     return {
         "steps": stats.num_steps,
         "preemptions": stats.num_preemptions,
@@ -205,13 +209,14 @@ def main() -> None:
         for thread in threads:
             thread.join(timeout=args.sample_s / len(threads))
     alive = engine.running if engine is not None else True
+    counters = engine_counters(address) if alive else None
     figures = {
         "minutes": args.minutes,
         "clients": args.clients,
         "counts": dict(tally.counts),
         "wrong": tally.wrong,
         "engine_alive_at_end": alive,
-        "engine_counters": engine_counters(address) if alive else None,
+        "engine_counters": counters,
         "memory_mb": memory,
     }
     if engine is not None:
@@ -225,6 +230,7 @@ def main() -> None:
         tally.wrong
         or tally.counts["HUNG"]
         or not alive
+        or (counters is not None and "error" in counters)
         or any(k.startswith("engine error") for k in tally.counts)
     )
     raise SystemExit(1 if failed else 0)
