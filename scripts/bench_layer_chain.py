@@ -1,8 +1,10 @@
 """A decode layer's kernels: the engine's chain against Triton products that take the small
-kernels between them in, and, with attention, against the batch split in two halves.
+kernels between them in, against the layer's weights cut into parts on streams of their own,
+and, with attention, against the batch split in two halves.
 
     python scripts/bench_layer_chain.py [--model random:llama-8b] [--rows 32] [--layers 32]
-                                        [--context 0] [--kernels] [--json PATH]
+                                        [--context 0] [--kernels] [--match REGEX]
+                                        [--json PATH]
     python scripts/bench_layer_chain.py --self-check
 
 At a decode step's 32 rows every product is bound by its weight's bytes, and between them
@@ -52,7 +54,17 @@ the first, on a stream of its own). At a large batch of a small model the produc
 the ridge of compute and bandwidth while attention is bound by the cache's bytes; the second
 asks whether one half's attention beside the other's products buys back more than the
 second weight read costs. ``--kernels`` prints each one-stream chain's kernels a layer as
-the profiler sees one replay. ``--cache-layouts`` (with ``--context``) times the engine's
+the profiler sees one replay.
+
+``engine, cut in P on P streams`` (P = 2, 4) splits the weights rather than the batch: each
+part takes 1/P of the heads (its q|k|v rows, its attention, o's columns for them) and 1/P of
+the intermediate rows (gate's and up's, down's columns), so every byte is still read once;
+o's and down's partial products are summed where the parts join (with the second norm, and
+with the boundary add). Each part runs on a stream of its own, so that one part's kernels can
+take the SMs that another's ramp or tail leaves idle: a layer's excess over its bytes is
+such fixed costs a kernel (docs/PERFORMANCE.md, sessions 25 and 50). ``engine, cut in 2 in
+turn`` runs the same kernels on one stream, the cut's own cost. ``--match REGEX`` times only
+the chains whose names match. ``--cache-layouts`` (with ``--context``) times the engine's
 chain alone over three caches: as the engine lays it out (a slot's KV heads side by side, so
 a program of two heads at head_dim 64 reads 256 bytes a key), the same with one head a
 program, and head-major (each head's slots together: a block of 16 keys of one head is one
@@ -70,6 +82,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -133,6 +146,7 @@ class _Kernels(NamedTuple):
     rms_norm: Any
     elementwise: Any
     mlp: Any
+    parts_sum: Any
 
 
 @functools.cache
@@ -321,8 +335,35 @@ def _kernels() -> _Kernels:
                 out = out_ptr + rm[None, :] * H + rn[:, None]
                 tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
+    @triton.jit
+    def parts_sum_kernel(
+        parts_ptr, res_ptr, sum_ptr, weight_ptr, normed_ptr, rows, eps,
+        N: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, NORM: tl.constexpr,
+    ):  # fmt: skip
+        """sum = res + the PARTS partial products ``[PARTS, rows, N]``; with NORM (a program a
+        whole row) also normed = rmsnorm(sum) * weight."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.load(res_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        for part in tl.static_range(PARTS):
+            offsets = (part * rows + row) * N + cols
+            acc += tl.load(parts_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        total = acc.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * N + cols, total, mask=ok)
+        if NORM:
+            xf = total.to(tl.float32)
+            normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)).to(sum_ptr.dtype.element_ty)
+            weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
+            tl.store(normed_ptr + row * N + cols, normed * weight, mask=ok)
+
     return _Kernels(
-        product_kernel, norm_product_kernel, rms_norm_kernel, elementwise_kernel, mlp_kernel
+        product_kernel,
+        norm_product_kernel,
+        rms_norm_kernel,
+        elementwise_kernel,
+        mlp_kernel,
+        parts_sum_kernel,
     )
 
 
@@ -398,6 +439,24 @@ def elementwise(op: int, a: torch.Tensor, out: torch.Tensor, b: torch.Tensor | N
     )
 
 
+def parts_sum(
+    parts: torch.Tensor,
+    residual: torch.Tensor,
+    total: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    normed: torch.Tensor | None = None,
+) -> None:
+    """total = residual + parts.sum(0); with ``weight``, normed = rmsnorm(total) * weight."""
+    _, rows, n = parts.shape
+    norm = weight is not None
+    block = 1 << (n - 1).bit_length() if norm else 1024
+    _kernels().parts_sum[(rows, -(-n // block))](
+        parts, residual, total, residual if weight is None else weight,
+        total if normed is None else normed, rows, _EPS, N=n, BLOCK=block, PARTS=parts.shape[0],
+        NORM=norm,
+    )  # fmt: skip
+
+
 def mlp(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -469,6 +528,61 @@ class LayerWeights:
         )  # fmt: skip
 
 
+@dataclass
+class LayerParts:
+    """A layer's weights cut into parts that share no work until their sums: each part's
+    q|k|v rows for its own heads (query and KV heads alike), o's columns for those heads, its
+    rows of gate and of up, and down's columns for those rows. Every weight byte is read once,
+    as by the whole layer; o's and down's partial products are summed at the joins."""
+
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+
+    @classmethod
+    def cut(cls, w: LayerWeights, parts: int, heads: int, kv_heads: int, head_dim: int):
+        q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+        q, k, v = w.qkv.split([q_rows, kv_rows, kv_rows])
+        inter = w.down.shape[1]
+        gate, up = w.gate_up.split([inter, inter])
+
+        def cut_rows(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return t.chunk(parts, dim=0)
+
+        def cut_cols(t: torch.Tensor) -> list[torch.Tensor]:
+            return [c.contiguous() for c in t.chunk(parts, dim=1)]
+
+        return cls(
+            [torch.cat(qkv) for qkv in zip(cut_rows(q), cut_rows(k), cut_rows(v), strict=True)],
+            cut_cols(w.o),
+            [torch.cat(gu) for gu in zip(cut_rows(gate), cut_rows(up), strict=True)],
+            cut_cols(w.down),
+            w.input_norm,
+            w.post_norm,
+        )
+
+
+class PartActivations:
+    """The activations of a layer cut into ``parts``: the whole rows' buffers, each part's
+    own, and the partial products that the joins sum."""
+
+    def __init__(self, rows: int, hidden: int, qkv: int, inter: int, parts: int, device: str,
+                 dtype) -> None:  # fmt: skip
+        def buffer(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, device=device).to(dtype)
+
+        self.hidden, self.residual, self.normed = (buffer(rows, hidden) for _ in range(3))
+        self.qkv = [buffer(rows, qkv // parts) for _ in range(parts)]
+        self.query = [buffer(rows, hidden // parts) for _ in range(parts)]
+        self.attn = [buffer(rows, hidden // parts) for _ in range(parts)]
+        self.gate_up = [buffer(rows, 2 * inter // parts) for _ in range(parts)]
+        self.act = [buffer(rows, inter // parts) for _ in range(parts)]
+        self.o_parts, self.down_parts = buffer(parts, rows, hidden), buffer(parts, rows, hidden)
+
+
 class Activations:
     """A step's activations, reused by every layer (as the graph's pool reuses them)."""
 
@@ -527,21 +641,37 @@ class Attention:
         )
 
     def __call__(self, layer: int, x: Activations, seqs: Sequences) -> None:
+        self.attend(layer, x.query, x.attn, seqs)
+
+    def attend(self, layer: int, query: torch.Tensor, out: torch.Tensor, seqs: Sequences,
+               part: int = 0, parts: int = 1) -> None:  # fmt: skip
+        """``query`` ``[rows, heads * head_dim]`` to ``out`` over the cache's KV heads, or
+        over part ``part`` of ``parts`` of them (``query`` then that part's heads alone)."""
         from cbpipe.worker.kernels.paged_decode import paged_decode_attention
 
-        rows = x.query.shape[0]
-        keys, values = self.caches[layer]
+        rows = query.shape[0]
+        heads = query.shape[1] // self.head_dim
+        keys, values = (c.chunk(parts, dim=1)[part] for c in self.caches[layer])
         paged_decode_attention(
-            x.query.view(rows, self.heads, self.head_dim), keys, values, seqs.block_tables,
+            query.view(rows, heads, self.head_dim), keys, values, seqs.block_tables,
             seqs.width, seqs.context_lens, block_size=self.block, scale=self.head_dim**-0.5,
             heads_per_program=self.heads_per_program,
-            out=x.attn.view(rows, self.heads, self.head_dim),
+            out=out.view(rows, heads, self.head_dim),
         )  # fmt: skip
 
 
 Attend = Callable[[Activations], None]
 # Where the two halves' kernels interleave, a layer's kernels have no fixed positions.
 TWO_STREAMS = "engine, halves on two streams"
+CUT_PARTS = (2, 4)
+
+
+def cut_chain(parts: int, streams: bool) -> str:
+    where = f"on {parts} streams" if streams else "in turn"
+    return f"engine, cut in {parts} {where}"
+
+
+MULTI_STREAM = {TWO_STREAMS, *(cut_chain(parts, True) for parts in CUT_PARTS)}
 
 
 def rotary_and_attention(qkv: torch.Tensor, x: Activations, attend: Attend | None) -> None:
@@ -599,6 +729,57 @@ def fused_layer(
         gate_up = F.linear(x.normed, w.gate_up)
     elementwise(SILU_AND_MULTIPLY, gate_up, x.act)
     torch.mm(x.act, w.down.t(), out=x.mlp_out)
+
+
+PartAttend = Callable[[int, PartActivations], None]  # (part, activations)
+
+
+def split_layer(
+    w: LayerParts,
+    x: PartActivations,
+    attend: PartAttend | None = None,
+    side_streams: list[torch.cuda.Stream] | None = None,
+) -> None:
+    """The engine's layer cut into ``LayerParts``: the input norm, then each part's q|k|v,
+    rotary's place, attention and o into its partial product, joined by the sum of o's
+    partials with the residual and the second norm; then each part's gate|up,
+    SiLU-and-multiply and down into its partial product, joined by the boundary add. The
+    first part on the current stream and each other on its own of ``side_streams``, or all in
+    turn."""
+    parts = len(w.qkv)
+
+    def in_parts(work: Callable[[int], None]) -> None:
+        if side_streams is None:
+            for part in range(parts):
+                work(part)
+            return
+        main = torch.cuda.current_stream()
+        streams = [main, *side_streams[: parts - 1]]
+        for stream in streams[1:]:
+            stream.wait_stream(main)
+        for part, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                work(part)
+        for stream in streams[1:]:
+            main.wait_stream(stream)
+
+    def attention_part(part: int) -> None:
+        torch.mm(x.normed, w.qkv[part].t(), out=x.qkv[part])
+        elementwise(ROTARY_PLACE, x.qkv[part], x.attn[part] if attend is None else x.query[part])
+        if attend is not None:
+            attend(part, x)
+        torch.mm(x.attn[part], w.o[part].t(), out=x.o_parts[part])
+
+    def mlp_part(part: int) -> None:
+        torch.mm(x.normed, w.gate_up[part].t(), out=x.gate_up[part])
+        elementwise(SILU_AND_MULTIPLY, x.gate_up[part], x.act[part])
+        torch.mm(x.act[part], w.down[part].t(), out=x.down_parts[part])
+
+    rms_norm(x.hidden, w.input_norm, x.normed)
+    in_parts(attention_part)
+    parts_sum(x.o_parts, x.hidden, x.residual, w.post_norm, x.normed)
+    in_parts(mlp_part)
+    parts_sum(x.down_parts, x.residual, x.hidden)
 
 
 def captured(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -714,6 +895,25 @@ def self_check() -> None:
     if device == "cuda":  # each launch passed the barrier once, and left its count at zero
         assert sync.tolist() == [0, 2], sync.tolist()
 
+    parts_of = torch.randn(3, rows, hidden, device=device).to(dtype)
+    parts_sum(parts_of, a, total, g, normed)
+    summed = (a.float() + parts_of.float().sum(0)).to(dtype)
+    close(total, summed, "the parts' sum")
+    close(normed, reference_norm(summed, g), "the parts' sum and norm")
+
+    # The layer cut in parts computes the whole layer (attention's place taken by rotary's).
+    heads, kv_heads, head_dim = 4, 2, 64
+    qkv_size = (heads + 2 * kv_heads) * head_dim
+    layer = LayerWeights.random(hidden, qkv_size, inter, device, dtype)
+    whole = Activations(rows, hidden, qkv_size, inter, device, dtype)
+    start = whole.hidden.clone()
+    engine_layer(layer, whole)
+    for parts in CUT_PARTS:
+        split = PartActivations(rows, hidden, qkv_size, inter, parts, device, dtype)
+        split.hidden.copy_(start)
+        split_layer(LayerParts.cut(layer, parts, heads, kv_heads, head_dim), split)
+        close(split.hidden, whole.hidden, f"the layer cut in {parts}")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -735,6 +935,7 @@ def main(argv: list[str] | None = None) -> int:
         "out (its heads side by side, two a program at head_dim 64), one head a program, "
         "and a head-major cache (each head's slots together)",
     )  # fmt: skip
+    parser.add_argument("--match", help="only the chains whose names match this regex")
     args = parser.parse_args(argv)
     if args.self_check:
         self_check()
@@ -780,6 +981,25 @@ def main(argv: list[str] | None = None) -> int:
             cache(layer, x, chosen)
             if then is not None:
                 then.record()
+
+        return run
+
+    def attend_part(layer: int, parts: int) -> PartAttend | None:
+        """Layer ``layer``'s attention for one part of ``parts`` of its heads."""
+        if attention is None:
+            return None
+
+        def run(part: int, x: PartActivations) -> None:
+            attention.attend(layer, x.query[part], x.attn[part], attention.sequences, part, parts)
+
+        return run
+
+    def cut_chain_run(
+        cut: list[LayerParts], x: PartActivations, side: list[torch.cuda.Stream] | None
+    ) -> Callable[[], None]:
+        def run() -> None:
+            for i, w in enumerate(cut):
+                split_layer(w, x, attend_part(i, len(w.qkv)), side)
 
         return run
 
@@ -856,6 +1076,18 @@ def main(argv: list[str] | None = None) -> int:
 
         chains["engine, halves in turn"] = halves_in_turn
         chains[TWO_STREAMS] = halves_on_two_streams
+    if not args.cache_layouts:
+        side_streams = [torch.cuda.Stream() for _ in range(max(CUT_PARTS) - 1)]
+        for parts in CUT_PARTS:
+            if heads % parts or kv_heads % parts:
+                continue
+            cut = [LayerParts.cut(w, parts, heads, kv_heads, head_dim) for w in weights]
+            acts = PartActivations(args.rows, hidden, qkv, inter, parts, device, dtype)
+            chains[cut_chain(parts, True)] = cut_chain_run(cut, acts, side_streams)
+            if parts == 2:
+                chains[cut_chain(parts, False)] = cut_chain_run(cut, acts, None)
+    if args.match:
+        chains = {name: chain for name, chain in chains.items() if re.search(args.match, name)}
 
     results: dict[str, list[float]] = {name: [] for name in chains}
     for name, chain in list(chains.items()):  # a chain that fails to build is reported, not fatal
@@ -871,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>30}: {' '.join(f'{r:6.1f}' for r in runs)} us a layer")
     kernels: dict[str, list[tuple[str, float, float]]] = {}
     for name, chain in chains.items() if args.kernels else ():
-        if name == TWO_STREAMS:
+        if name in MULTI_STREAM:
             continue
         kernels[name] = kernel_breakdown(chain, args.layers)
         print(f"{name}, a layer's kernels (us: the kernel, then the gap after it):")
