@@ -62,8 +62,10 @@ the intermediate rows (gate's and up's, down's columns), so every byte is still 
 o's and down's partial products are summed where the parts join (with the second norm, and
 with the boundary add). Each part runs on a stream of its own, so that one part's kernels can
 take the SMs that another's ramp or tail leaves idle: a layer's excess over its bytes is
-such fixed costs a kernel (docs/PERFORMANCE.md, sessions 25 and 50). ``engine, cut in 2 in
-turn`` runs the same kernels on one stream, the cut's own cost. ``--match REGEX`` times only
+such fixed costs a kernel. ``engine, cut in 2 in turn`` runs the same kernels on one
+stream, the cut's own cost. (On an H100 the streams took back most of the cut's cost but not
+all: two parts 2.8% longer than the engine's chain at the 8B x32, 4.5% at the 1B x256;
+docs/PERFORMANCE.md, session 50.) ``--match REGEX`` times only
 the chains whose names match. ``--cache-layouts`` (with ``--context``) times the engine's
 chain alone over three caches: as the engine lays it out (a slot's KV heads side by side, so
 a program of two heads at head_dim 64 reads 256 bytes a key), the same with one head a
