@@ -497,7 +497,9 @@ def _capture(
     waited = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool)
+        # Thread-local: a checkpoint's weights may be arriving from another thread
+        # (``model_loader.PendingWeights``), whose copies would end a global capture.
+        graph.capture_begin(pool, capture_error_mode="thread_local")
         try:
             result = body()
         except BaseException:

@@ -52,10 +52,10 @@ from cbpipe.worker.cuda_graphs import (
 )
 from cbpipe.worker.model_loader import (
     allocate_kv_cache,
-    load_paged_model,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
+    start_paged_model,
 )
 from cbpipe.worker.runner import LaunchedStep, StepRunner, logits_width
 from cbpipe.worker.sampling_state import SamplingState
@@ -184,7 +184,7 @@ def _load(
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
     max_num_seqs, max_batch_tokens = step_limits(config.scheduler, memory, spec.layout.limits)
     log.info("%d sequences and %d tokens a step at most", max_num_seqs, max_batch_tokens)
-    model, paged = load_paged_model(
+    loading = start_paged_model(
         source,
         device,
         dtype,
@@ -193,6 +193,7 @@ def _load(
         max_model_len=config.model.max_model_len,
         tp=tp,
     )
+    model, paged = loading.model, loading.attention
     phases.done("weights")
     # The full sampler's per-request rows come out of the memory the KV cache is sized from.
     vocab = logits_width(model)
@@ -261,6 +262,8 @@ def _load(
         mixed_graph_tokens=mixed_graph_tokens,
     )
     phases.done("runner set-up", parts=runner.startup_seconds)
+    loading.wait_for_weights()
+    phases.done("weights' wait")
     log.info("start-up: %s", phases.finish())
     hello = WorkerReady(
         model=source.name,

@@ -1,0 +1,70 @@
+"""A checkpoint's weights read into the engine's model in the background (``PendingWeights``):
+the same tensors ``from_pretrained`` loads, through fused projections too, and a failed read
+raised where the worker waits, not lost in its thread. The architecture matrix
+(``tests/correctness/test_architectures.py``) serves checkpoints read this way against
+``generate``; these pin down the reading itself."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
+from cbpipe.worker.fused_projections import FusedPart
+from cbpipe.worker.model_loader import PendingWeights, load_model, start_paged_model
+
+CPU = torch.device("cpu")
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    return dict(load_model(resolve_model("default"), CPU, torch.float32).state_dict())
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
+def test_the_background_read_fills_what_from_pretrained_loads(fuse: bool) -> None:
+    loading = start_paged_model(resolve_model("default"), CPU, torch.float32, fuse=fuse)
+    assert loading.pending is not None, "the embedded checkpoint is read in the background"
+    loading.wait_for_weights()
+    model = loading.model
+    reference = _reference()
+    compared = 0
+    for name, want in reference.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, FusedPart):  # the fused matrix's rows, which it views
+            assert module.weight.data_ptr() != want.data_ptr()
+        got = getattr(module, leaf)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+        compared += 1
+    assert compared == len(reference) > 10
+
+
+def test_a_preset_is_built_whole_with_nothing_pending() -> None:
+    loading = start_paged_model(resolve_model("random:qwen2-tiny"), CPU, torch.float32)
+    assert loading.pending is None
+    assert loading.wait_for_weights() == 0.0
+
+
+def test_a_checkpoint_missing_a_tensor_loads_through_from_pretrained(tmp_path: Path) -> None:
+    """A checkpoint that does not hold every weight under the model's own name (transformers
+    converts some as it loads, or initialises what is missing) is not read by name:
+    ``from_pretrained`` loads it, before the probe, with nothing left pending."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "partial"
+    shutil.copytree(EMBEDDED_MODEL_DIR, folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    loading = start_paged_model(resolve_model(str(folder)), CPU, torch.float32)
+    assert loading.pending is None
+
+
+def test_a_failed_read_is_raised_by_wait() -> None:
+    model = load_model(resolve_model("default"), CPU, torch.float32)
+    pending = PendingWeights(model, {"lm_head.weight": Path("/nonexistent.safetensors")}, CPU)
+    with pytest.raises(RuntimeError, match="reading the checkpoint's weights failed"):
+        pending.wait()
