@@ -258,6 +258,7 @@ _STARTUP_MARKS = (
     "captured ",
     "compile phases",
     "imports and checks",
+    "weights read from",
     " ready: ",
     "compiled ahead",
     "saved trace's guards",  # a sampler compiled again: its trace was refused
