@@ -1,11 +1,12 @@
 """Loading unmodified transformers causal LMs, and allocating their paged KV cache.
 
 The engine's model (``start_paged_model``) takes a checkpoint's weights in the background
-where it can: built empty on the device, probed, then filled from the safetensors files by a
-thread of its own (``PendingWeights``) while the worker warms up, compiles and captures its
-graphs, which need the weights' storage and never their values. A first start after a
-download reads an 8B model's 16 GB from disk in about 13 s, a later one from the page cache
-in about 4.5 (docs/PERFORMANCE.md, session 50): time the start-up no longer waits for.
+where it can: built on the device with random weights, probed, then filled from the
+safetensors files by a thread of its own (``PendingWeights``) while the worker warms up,
+compiles and captures its graphs, which need the weights' storage and never their values. On
+an H100 an 8B checkpoint's 3.7 s load from the page cache left the warm start-up's path, and
+the worker started 2.0 s sooner; read from a cold disk (13 s) it left the path too, but the
+phases beside it took as much longer (docs/PERFORMANCE.md, session 50).
 """
 
 from __future__ import annotations
@@ -303,11 +304,16 @@ def _destination(model: torch.nn.Module, name: str) -> torch.Tensor:
 
 class PendingWeights:
     """A checkpoint's tensors being copied into a model already on its device, by a thread of
-    its own and, on CUDA, on a stream of its own. Meanwhile the model's storage is the
-    model's, and kernels that read it see some weights old and some new: fine for warming
-    up, compiling and capturing graphs, never for serving (``wait`` first). On CUDA the
-    graphs are captured in thread-local mode (``cuda_graphs._capture``): this thread's
-    copies and synchronisations do not end another thread's capture."""
+    its own and, on CUDA, on a stream of its own. Until ``wait`` returns, kernels that read
+    the model see some weights random and some read: fine for warming up, compiling and
+    capturing graphs, never for serving. On CUDA the graphs are captured in thread-local mode
+    (``cuda_graphs._capture``), so that this thread's copies and synchronisations do not end
+    another thread's capture.
+
+    Each copy is pageable: the driver stages it, and the page faults that read the file
+    happen inside that CUDA call, which holds up the other thread's calls meanwhile. From the
+    page cache that is short; from a cold disk it gave back what the read saved (session 50).
+    Staging through pinned buffers is the next step."""
 
     def __init__(self, model: torch.nn.Module, files: dict[str, Path], device: torch.device):
         # Resolved here, before the worker's threads touch the model's modules.
@@ -336,7 +342,7 @@ class PendingWeights:
                     for file in sorted(set(files.values()))
                 }
                 for name, destination in destinations.items():
-                    tensor = handles[files[name]].get_tensor(name)  # a view of the mapped file
+                    tensor = handles[files[name]].get_tensor(name)
                     # Cast on the host, as from_pretrained does: a cast on the device would
                     # need room the KV cache may have taken meanwhile.
                     destination.copy_(tensor.to(destination.dtype))
