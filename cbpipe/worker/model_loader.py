@@ -312,8 +312,8 @@ class PendingWeights:
 
     Each copy is pageable: the driver stages it, and the page faults that read the file
     happen inside that CUDA call, which holds up the other thread's calls meanwhile. From the
-    page cache that is short; from a cold disk it gave back what the read saved (session 50).
-    Staging through pinned buffers is the next step."""
+    page cache that is short; from a cold disk it gave back what the read saved
+    (docs/PERFORMANCE.md, session 50)."""
 
     def __init__(self, model: torch.nn.Module, files: dict[str, Path], device: torch.device):
         # Resolved here, before the worker's threads touch the model's modules.
