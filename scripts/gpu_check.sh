@@ -147,6 +147,12 @@
 #                          stage runs, which the presets, without a tokenizer, never do;
 #                          then a third time with the client making the text instead
 #   STARTUP_MODEL=random:llama-8b   STARTUP_REPEATS=2
+#   STARTUP_CHECKPOINT=     a preset (random:llama-8b): its weights saved once as a checkpoint
+#                          folder in /tmp (scripts/save_checkpoint.py, about 30 s for the 8B),
+#                          which the startup part launches instead of STARTUP_MODEL, reading
+#                          the weights from disk as a user's model; STARTUP_EVICT=1 drops its
+#                          files from the page cache before every launch (a first start after
+#                          a download)
 #   STARTUP_VARIANTS=";--no-saved-traces"  the startup part's launch arguments, alternated
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
 #   SERVING_RUNS=llama1b,llama8b  the serving part's runs
@@ -579,6 +585,12 @@ fi
 
 if want startup; then
     {
+        if [ -n "${STARTUP_CHECKPOINT:-}" ]; then
+            STARTUP_MODEL=/tmp/cbpipe-checkpoint-${STARTUP_CHECKPOINT#random:}
+            [ -f "$STARTUP_MODEL/config.json" ] ||
+                "$PY" scripts/save_checkpoint.py save "$STARTUP_CHECKPOINT" "$STARTUP_MODEL" \
+                    --device cuda
+        fi
         section "warm start-ups of ${STARTUP_MODEL:=random:llama-8b}"
         IFS=';' read -r -a startup_variants <<<"${STARTUP_VARIANTS-;--no-saved-traces}"
         launch() {  # launch NAME FLAGS: 4 short requests; the start-up from bench's JSON
@@ -586,11 +598,14 @@ if want startup; then
             shift
             local flags=()
             read -r -a flags <<<"$*"
+            if [ "${STARTUP_EVICT:-0}" = 1 ] && [ -n "${STARTUP_CHECKPOINT:-}" ]; then
+                "$PY" scripts/save_checkpoint.py evict "$STARTUP_MODEL"
+            fi
             timeout -k 30 "$BENCH_TIMEOUT" "$PY" scripts/bench.py --model "$STARTUP_MODEL" \
                 --num-requests 4 --prompt-len 16 --output-len 16 --modes async \
                 --launch-arg=--log-level=info \
                 ${flags[@]+"${flags[@]/#/--launch-arg=}"} --json "$OUT/startup_$name.json" |
-                grep -E "start-up|captured|engine start|saved|imports and checks| ready: "
+                grep -E "start-up|captured|engine start|saved|imports and checks| ready: |weights read"
             echo "$name [${flags[*]}]: exit code ${PIPESTATUS[0]}"
         }
         launch warming

@@ -6,6 +6,7 @@ raised where the worker waits, not lost in its thread. The architecture matrix
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -68,3 +69,29 @@ def test_a_failed_read_is_raised_by_wait() -> None:
     pending = PendingWeights(model, {"lm_head.weight": Path("/nonexistent.safetensors")}, CPU)
     with pytest.raises(RuntimeError, match="reading the checkpoint's weights failed"):
         pending.wait()
+
+
+def _save_checkpoint_script():  # type: ignore[no-untyped-def]
+    path = Path(__file__).resolve().parents[2] / "scripts" / "save_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("save_checkpoint", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_saved_preset_is_read_back_as_it_was_drawn(tmp_path: Path) -> None:
+    """``scripts/save_checkpoint.py`` writes a preset a start-up reads from disk (Qwen2's
+    biases among its tensors), and drops its files from the page cache."""
+    script = _save_checkpoint_script()
+    folder = tmp_path / "qwen2-tiny"
+    assert script.save("random:qwen2-tiny", folder) > 0
+    assert script.evict(folder) == 1
+    loading = start_paged_model(resolve_model(str(folder)), CPU, torch.float32, fuse=False)
+    assert loading.pending is not None
+    loading.wait_for_weights()
+    torch.manual_seed(0)
+    drawn = load_model(resolve_model("random:qwen2-tiny"), CPU, torch.float32)
+    got = dict(loading.model.named_parameters())
+    for name, want in drawn.named_parameters():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
