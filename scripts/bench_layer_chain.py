@@ -1078,18 +1078,25 @@ def main(argv: list[str] | None = None) -> int:
 
         chains["engine, halves in turn"] = halves_in_turn
         chains[TWO_STREAMS] = halves_on_two_streams
+
+    def wanted(name: str) -> bool:
+        return not args.match or re.search(args.match, name) is not None
+
     if not args.cache_layouts:
         side_streams = [torch.cuda.Stream() for _ in range(max(CUT_PARTS) - 1)]
         for parts in CUT_PARTS:
-            if heads % parts or kv_heads % parts:
-                continue
+            streams: dict[str, list[torch.cuda.Stream] | None]
+            streams = {cut_chain(parts, True): side_streams}
+            if parts == 2:
+                streams[cut_chain(parts, False)] = None
+            streams = {name: on for name, on in streams.items() if wanted(name)}
+            if heads % parts or kv_heads % parts or not streams:
+                continue  # a cut holds a copy of every weight: none unless it is timed
             cut = [LayerParts.cut(w, parts, heads, kv_heads, head_dim) for w in weights]
             acts = PartActivations(args.rows, hidden, qkv, inter, parts, device, dtype)
-            chains[cut_chain(parts, True)] = cut_chain_run(cut, acts, side_streams)
-            if parts == 2:
-                chains[cut_chain(parts, False)] = cut_chain_run(cut, acts, None)
-    if args.match:
-        chains = {name: chain for name, chain in chains.items() if re.search(args.match, name)}
+            for name, on in streams.items():
+                chains[name] = cut_chain_run(cut, acts, on)
+    chains = {name: chain for name, chain in chains.items() if wanted(name)}
 
     results: dict[str, list[float]] = {name: [] for name in chains}
     for name, chain in list(chains.items()):  # a chain that fails to build is reported, not fatal
