@@ -154,6 +154,11 @@
 #                          files from the page cache before every launch (a first start after
 #                          a download)
 #   STARTUP_VARIANTS=";--no-saved-traces"  the startup part's launch arguments, alternated
+#   STARTUP_BASELINE=      a folder holding another commit's tree (its cbpipe/ and scripts/,
+#                          e.g. `git archive COMMIT cbpipe scripts | tar x -C .whl/base`, carried):
+#                          every launch runs from it too, right after this tree's, on the same
+#                          host (NAME_base); run from its own folder, as `python -m` puts the
+#                          working folder first on sys.path
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
 #   SERVING_RUNS=llama1b,llama8b  the serving part's runs
 #   SERVING_1B_SERVERS="1 4"      HTTP server processes (--api-server-count) of each 1b run
@@ -231,6 +236,7 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
 read -r -a bench_extra <<<"${BENCH_EXTRA:-}"
 output_len=$((BENCH_OUTPUT_LEN / BENCH_SCALE))
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # the startup part launches from other folders too
 if [ -n "${COMPILE_CACHE:-}" ]; then
     mkdir -p "$COMPILE_CACHE"
     if [ -f "$COMPILE_CACHE.tgz" ]; then
@@ -598,15 +604,21 @@ if want startup; then
             shift
             local flags=()
             read -r -a flags <<<"$*"
-            if [ "${STARTUP_EVICT:-0}" = 1 ] && [ -n "${STARTUP_CHECKPOINT:-}" ]; then
-                "$PY" scripts/save_checkpoint.py evict "$STARTUP_MODEL"
-            fi
-            timeout -k 30 "$BENCH_TIMEOUT" "$PY" scripts/bench.py --model "$STARTUP_MODEL" \
-                --num-requests 4 --prompt-len 16 --output-len 16 --modes async \
-                --launch-arg=--log-level=info \
-                ${flags[@]+"${flags[@]/#/--launch-arg=}"} --json "$OUT/startup_$name.json" |
-                grep -E "start-up|captured|engine start|saved|imports and checks| ready: |weights read"
-            echo "$name [${flags[*]}]: exit code ${PIPESTATUS[0]}"
+            local tree
+            for tree in "$PWD" ${STARTUP_BASELINE:+"$(cd "$STARTUP_BASELINE" && pwd)"}; do
+                if [ "${STARTUP_EVICT:-0}" = 1 ] && [ -n "${STARTUP_CHECKPOINT:-}" ]; then
+                    "$PY" scripts/save_checkpoint.py evict "$STARTUP_MODEL"
+                fi
+                [ "$tree" = "$PWD" ] || name=${name}_base
+                (cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" timeout -k 30 "$BENCH_TIMEOUT" \
+                    "$PY" scripts/bench.py --model "$STARTUP_MODEL" \
+                    --num-requests 4 --prompt-len 16 --output-len 16 --modes async \
+                    --launch-arg=--log-level=info \
+                    ${flags[@]+"${flags[@]/#/--launch-arg=}"} --json "$OUT/startup_$name.json" |
+                    grep -E "start-up|captured|engine start|saved|imports and checks| ready: |weights read"
+                    exit "${PIPESTATUS[0]}")
+                echo "$name [${flags[*]}]: exit code $?"
+            done
         }
         launch warming
         for round in $(seq "${STARTUP_REPEATS:-2}"); do

@@ -5,8 +5,7 @@ where it can: built on the device with random weights, probed, then filled from 
 safetensors files by a thread of its own (``PendingWeights``) while the worker warms up,
 compiles and captures its graphs, which need the weights' storage and never their values. On
 an H100 an 8B checkpoint's 3.7 s load from the page cache left the warm start-up's path, and
-the worker started 2.0 s sooner; read from a cold disk (13 s) it left the path too, but the
-phases beside it took as much longer (docs/PERFORMANCE.md, session 50).
+the worker started 2.0 s sooner (docs/PERFORMANCE.md, session 50).
 """
 
 from __future__ import annotations
@@ -308,12 +307,8 @@ class PendingWeights:
     the model see some weights random and some read: fine for warming up, compiling and
     capturing graphs, never for serving. On CUDA the graphs are captured in thread-local mode
     (``cuda_graphs._capture``), so that this thread's copies and synchronisations do not end
-    another thread's capture.
-
-    Each copy is pageable: the driver stages it, and the page faults that read the file
-    happen inside that CUDA call, which holds up the other thread's calls meanwhile. From the
-    page cache that is short; from a cold disk it gave back what the read saved
-    (docs/PERFORMANCE.md, session 50)."""
+    another thread's capture. The copies pass through pinned buffers (``StagedCopies``), so
+    that reading the files never happens inside a CUDA call."""
 
     def __init__(self, model: torch.nn.Module, files: dict[str, Path], device: torch.device):
         # Resolved here, before the worker's threads touch the model's modules.
@@ -341,11 +336,9 @@ class PendingWeights:
                     file: stack.enter_context(safe_open(str(file), "pt", device="cpu"))
                     for file in sorted(set(files.values()))
                 }
+                copies = StagedCopies(pinned=stream is not None)
                 for name, destination in destinations.items():
-                    tensor = handles[files[name]].get_tensor(name)
-                    # Cast on the host, as from_pretrained does: a cast on the device would
-                    # need room the KV cache may have taken meanwhile.
-                    destination.copy_(tensor.to(destination.dtype))
+                    copies.copy(destination, handles[files[name]].get_tensor(name))
                 if stream is not None:
                     stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - raised again by wait()
@@ -365,6 +358,51 @@ class PendingWeights:
         log.info("weights read from the checkpoint in %.1f s beside the start-up, %.1f s "
                  "waited for", self.read_s, waited)  # fmt: skip
         return waited
+
+
+STAGING_BYTES = 64 << 20
+
+
+class StagedCopies:
+    """Copies of host tensors into device tensors through a few pinned buffers taken in turn.
+
+    A tensor of a mapped safetensors file is read from disk by the page faults of the first
+    copy that touches it. Copied to the device straight, as a pageable copy, those faults
+    happen inside the CUDA call, and every other thread's CUDA calls wait behind it: an 8B
+    checkpoint read from a cold disk beside the start-up made the cache's allocation, the
+    warm-up and the compile 11 s longer (docs/PERFORMANCE.md, session 50). Here a host copy
+    into a pinned buffer faults the pages in outside any CUDA call (and casts, on the host as
+    ``from_pretrained`` does: a cast on the device would need room the KV cache may hold by
+    then), and the transfer from it is queued on the current stream, running while the next
+    piece is copied into the other buffer. A tensor larger than a buffer passes in pieces.
+    Unpinned (a CPU model's weights) the buffers are plain and each copy immediate."""
+
+    def __init__(self, *, pinned: bool, piece_bytes: int = STAGING_BYTES, count: int = 2):
+        self._buffers = [
+            torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(count)
+        ]
+        # Recorded after each buffer's transfer is queued; waited on before it is overwritten.
+        self._transferred = [torch.cuda.Event() if pinned else None for _ in range(count)]
+        self._turn = 0
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """Queue ``source`` (host, any dtype, ``destination``'s shape) into ``destination``."""
+        if not destination.is_contiguous():  # no model's weight so far; copied unstaged
+            destination.copy_(source.to(destination.dtype))
+            return
+        into, out_of = destination.view(-1), source.reshape(-1)
+        piece = self._buffers[0].numel() // destination.element_size()
+        for start in range(0, into.numel(), piece):
+            stop = min(start + piece, into.numel())
+            turn, self._turn = self._turn, (self._turn + 1) % len(self._buffers)
+            transferred = self._transferred[turn]
+            if transferred is not None:
+                transferred.synchronize()
+            staged = self._buffers[turn].view(destination.dtype)[: stop - start]
+            staged.copy_(out_of[start:stop])
+            into[start:stop].copy_(staged, non_blocking=True)
+            if transferred is not None:
+                transferred.record()
 
 
 def kv_shape(attention: ModelAttention) -> tuple[int, int, int]:

@@ -1,4 +1,5 @@
-"""Checks that need a CUDA device: asynchronous copies, and the engine's tokens on CUDA.
+"""Checks that need a CUDA device: asynchronous copies, a checkpoint's weights staged through
+pinned buffers, and the engine's tokens on CUDA.
 
 Run with ``python -m pytest tests/gpu -m gpu -v -s`` (``-s`` shows the measured numbers).
 The engine tests use the embedded default model when it is built (real text, EOS stops), else
@@ -38,7 +39,7 @@ from cbpipe.client import Client
 from cbpipe.engine_process import EngineProcess
 from cbpipe.models import EMBEDDED_MODEL_DIR, ModelSource, resolve_model
 from cbpipe.protocol.shm import AttachedSegment
-from cbpipe.worker.model_loader import load_model
+from cbpipe.worker.model_loader import StagedCopies, load_model
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +149,30 @@ def test_copies_with_a_shared_segment_from_another_process_are_asynchronous() ->
         assert enqueue_ms < 0.5 * device_ms, f"{label} blocked the CPU: {timings[label]}"
     enqueue_ms, device_ms = timings["H2D from pageable memory"]
     assert enqueue_ms > 0.5 * device_ms, "the pageable copy did not block: timing is not sound"
+
+
+# --- (b) a checkpoint's weights through pinned staging buffers -------------------------------
+
+
+def test_staged_copies_wait_for_a_buffer_s_transfer_before_refilling_it() -> None:
+    """The transfers queue behind a long kernel on the read's stream while the host copies
+    on, so each buffer is wanted again long before its last transfer has run: a buffer
+    refilled without waiting for it would hand the device a later piece's values. Pieces much
+    smaller than the tensors, a float32 source cast to bfloat16 on the host, as a float32
+    checkpoint is read into a bfloat16 model."""
+    generator = torch.Generator().manual_seed(0)
+    sources = [torch.randn(1 << 20, generator=generator) for _ in range(4)]
+    sources.append(torch.randn(3000, 700, generator=generator))
+    destinations = [torch.empty(s.shape, dtype=torch.bfloat16, device="cuda") for s in sources]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        copies = StagedCopies(pinned=True, piece_bytes=256 << 10)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s at the GPU's clock
+        for destination, source in zip(destinations, sources, strict=True):
+            copies.copy(destination, source)
+    stream.synchronize()
+    for destination, source in zip(destinations, sources, strict=True):
+        assert torch.equal(destination.cpu(), source.to(torch.bfloat16))
 
 
 # --- (c) the engine on CUDA: greedy equals Hugging Face, modes and crowds agree -------------

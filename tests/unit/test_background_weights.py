@@ -1,11 +1,13 @@
 """A checkpoint's weights read into the engine's model in the background (``PendingWeights``):
-the same tensors ``from_pretrained`` loads, through fused projections too, and a failed read
-raised where the worker waits, not lost in its thread. The architecture matrix
+the same tensors ``from_pretrained`` loads, through fused projections too and through staging
+buffers smaller than a tensor, and a failed read raised where the worker waits, not lost in
+its thread. The architecture matrix
 (``tests/correctness/test_architectures.py``) serves checkpoints read this way against
 ``generate``; these pin down the reading itself."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 from pathlib import Path
@@ -14,8 +16,14 @@ import pytest
 import torch
 
 from cbpipe.models import EMBEDDED_MODEL_DIR, resolve_model
+from cbpipe.worker import model_loader
 from cbpipe.worker.fused_projections import FusedPart
-from cbpipe.worker.model_loader import PendingWeights, load_model, start_paged_model
+from cbpipe.worker.model_loader import (
+    PendingWeights,
+    StagedCopies,
+    load_model,
+    start_paged_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -24,8 +32,19 @@ def _reference() -> dict[str, torch.Tensor]:
     return dict(load_model(resolve_model("default"), CPU, torch.float32).state_dict())
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
-def test_the_background_read_fills_what_from_pretrained_loads(fuse: bool) -> None:
+@pytest.mark.parametrize(
+    ("fuse", "piece_bytes"),
+    [(False, model_loader.STAGING_BYTES), (True, model_loader.STAGING_BYTES), (True, 4096)],
+    ids=["separate", "fused", "fused-in-pieces"],
+)
+def test_the_background_read_fills_what_from_pretrained_loads(
+    fuse: bool, piece_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In pieces, most tensors pass through both buffers several times, each piece into its
+    own rows of a fused matrix."""
+    monkeypatch.setattr(
+        model_loader, "StagedCopies", functools.partial(StagedCopies, piece_bytes=piece_bytes)
+    )
     loading = start_paged_model(resolve_model("default"), CPU, torch.float32, fuse=fuse)
     assert loading.pending is not None, "the embedded checkpoint is read in the background"
     loading.wait_for_weights()
@@ -99,3 +118,24 @@ def test_a_saved_preset_is_read_back_as_it_was_drawn(tmp_path: Path) -> None:
     got = dict(loading.model.named_parameters())
     for name, want in drawn.named_parameters():
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
+
+
+def test_staged_copies_cast_and_split_into_pieces() -> None:
+    """Every element lands once whatever the pieces' edges: a tensor of many pieces and a
+    part-filled last one, one that fits a piece exactly, a scalar, an empty one, a float32
+    source cast to bfloat16 (the piece counted in the destination's elements), and a
+    destination that is not contiguous."""
+    copies = StagedCopies(pinned=False, piece_bytes=64, count=2)
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        (torch.empty(7, 9), torch.randn(7, 9, generator=generator)),
+        (torch.empty(16), torch.randn(16, generator=generator)),
+        (torch.empty(()), torch.tensor(3.5)),
+        (torch.empty(0, 4), torch.empty(0, 4)),
+        (torch.empty(5, 13, dtype=torch.bfloat16), torch.randn(5, 13, generator=generator)),
+        (torch.empty(6, 4).t(), torch.randn(4, 6, generator=generator)),
+    ]
+    for destination, source in cases:
+        copies.copy(destination, source)
+    for destination, source in cases:
+        torch.testing.assert_close(destination, source.to(destination.dtype), rtol=0, atol=0)
