@@ -315,6 +315,7 @@ class PendingWeights:
         destinations = {name: _destination(model, name) for name in files}
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.read_s: float | None = None  # how long the reading took, once done
+        self.read_bytes = sum(d.numel() * d.element_size() for d in destinations.values())
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._read, args=(files, destinations, stream), name="weights", daemon=True
@@ -355,8 +356,10 @@ class PendingWeights:
                 f"reading the checkpoint's weights failed: {self._error!r}"
             ) from self._error
         waited = time.perf_counter() - started
-        log.info("weights read from the checkpoint in %.1f s beside the start-up, %.1f s "
-                 "waited for", self.read_s, waited)  # fmt: skip
+        assert self.read_s is not None
+        log.info("weights read from the checkpoint in %.1f s (%.2f GB, %.2f GB/s) beside the "
+                 "start-up, %.1f s waited for", self.read_s, self.read_bytes / 1e9,
+                 self.read_bytes / 1e9 / max(self.read_s, 1e-9), waited)  # fmt: skip
         return waited
 
 
