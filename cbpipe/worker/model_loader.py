@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -280,12 +281,17 @@ def _state_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _open_files(stack: contextlib.ExitStack, files: dict[str, Path]) -> dict[Path, Any]:
+    """Each safetensors file that ``files`` names, opened (mapped) until ``stack`` closes."""
+    return {
+        file: stack.enter_context(safe_open(str(file), "pt", device="cpu"))
+        for file in sorted(set(files.values()))
+    }
+
+
 def _shapes_match(model: torch.nn.Module, files: dict[str, Path]) -> bool:
     with contextlib.ExitStack() as stack:
-        handles = {
-            file: stack.enter_context(safe_open(str(file), "pt", device="cpu"))
-            for file in set(files.values())
-        }
+        handles = _open_files(stack, files)
         return all(
             handles[file].get_slice(name).get_shape() == list(_destination(model, name).shape)
             for name, file in files.items()
@@ -333,10 +339,7 @@ class PendingWeights:
             with contextlib.ExitStack() as stack, torch.no_grad():
                 if stream is not None:
                     stack.enter_context(torch.cuda.stream(stream))
-                handles = {
-                    file: stack.enter_context(safe_open(str(file), "pt", device="cpu"))
-                    for file in sorted(set(files.values()))
-                }
+                handles = _open_files(stack, files)
                 copies = StagedCopies(pinned=stream is not None)
                 for name, destination in destinations.items():
                     copies.copy(destination, handles[files[name]].get_tensor(name))
