@@ -147,6 +147,7 @@
 #                          stage runs, which the presets, without a tokenizer, never do;
 #                          then a third time with the client making the text instead
 #   STARTUP_MODEL=random:llama-8b   STARTUP_REPEATS=2
+#   STARTUP_WARMING=1       0: no warming launch first (the compile cache already warm)
 #   STARTUP_CHECKPOINT=     a preset (random:llama-8b): its weights saved once as a checkpoint
 #                          folder in /tmp (scripts/save_checkpoint.py, about 30 s for the 8B),
 #                          which the startup part launches instead of STARTUP_MODEL, reading
@@ -156,9 +157,10 @@
 #   STARTUP_VARIANTS=";--no-saved-traces"  the startup part's launch arguments, alternated
 #   STARTUP_BASELINE=      a folder holding another commit's tree (its cbpipe/ and scripts/,
 #                          e.g. `git archive COMMIT cbpipe scripts | tar x -C .whl/base`, carried):
-#                          every launch runs from it too, right after this tree's, on the same
-#                          host (NAME_base); run from its own folder, as `python -m` puts the
-#                          working folder first on sys.path
+#                          every launch runs from it too, beside this tree's on the same host
+#                          (NAME_base; this tree first in odd rounds, the base first in even
+#                          ones, so that neither always follows the other); run from its own
+#                          folder, as `python -m` puts the working folder first on sys.path
 #   TARGET_RUNS=llama8b,llama1b   the target part's runs
 #   SERVING_RUNS=llama1b,llama8b  the serving part's runs
 #   SERVING_1B_SERVERS="1 4"      HTTP server processes (--api-server-count) of each 1b run
@@ -599,31 +601,35 @@ if want startup; then
         fi
         section "warm start-ups of ${STARTUP_MODEL:=random:llama-8b}"
         IFS=';' read -r -a startup_variants <<<"${STARTUP_VARIANTS-;--no-saved-traces}"
-        launch() {  # launch NAME FLAGS: 4 short requests; the start-up from bench's JSON
-            local name=$1
-            shift
+        trees=("$PWD" ${STARTUP_BASELINE:+"$(cd "$STARTUP_BASELINE" && pwd)"})
+        launch() {  # launch NAME ROUND FLAGS: 4 short requests; the start-up from bench's JSON
+            local name=$1 round=$2
+            shift 2
             local flags=()
             read -r -a flags <<<"$*"
+            local order=("${trees[@]}")
+            ((round % 2)) || order=("${trees[@]:1}" "${trees[0]}")
             local tree
-            for tree in "$PWD" ${STARTUP_BASELINE:+"$(cd "$STARTUP_BASELINE" && pwd)"}; do
+            for tree in "${order[@]}"; do
                 if [ "${STARTUP_EVICT:-0}" = 1 ] && [ -n "${STARTUP_CHECKPOINT:-}" ]; then
                     "$PY" scripts/save_checkpoint.py evict "$STARTUP_MODEL"
                 fi
-                [ "$tree" = "$PWD" ] || name=${name}_base
+                local run=$name
+                [ "$tree" = "$PWD" ] || run=${name}_base
                 (cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" timeout -k 30 "$BENCH_TIMEOUT" \
                     "$PY" scripts/bench.py --model "$STARTUP_MODEL" \
                     --num-requests 4 --prompt-len 16 --output-len 16 --modes async \
                     --launch-arg=--log-level=info \
-                    ${flags[@]+"${flags[@]/#/--launch-arg=}"} --json "$OUT/startup_$name.json" |
+                    ${flags[@]+"${flags[@]/#/--launch-arg=}"} --json "$OUT/startup_$run.json" |
                     grep -E "start-up|captured|engine start|saved|imports and checks| ready: |weights read"
                     exit "${PIPESTATUS[0]}")
-                echo "$name [${flags[*]}]: exit code $?"
+                echo "$run [${flags[*]}]: exit code $?"
             done
         }
-        launch warming
+        [ "${STARTUP_WARMING:-1}" = 0 ] || launch warming 1
         for round in $(seq "${STARTUP_REPEATS:-2}"); do
             for index in "${!startup_variants[@]}"; do
-                launch "r${round}_v${index}" "${startup_variants[$index]}"
+                launch "r${round}_v${index}" "$round" "${startup_variants[$index]}"
             done
         done
     } 2>&1 | tee "$OUT/startup.log"
