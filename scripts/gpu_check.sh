@@ -147,7 +147,8 @@
 #                          stage runs, which the presets, without a tokenizer, never do;
 #                          then a third time with the client making the text instead
 #   STARTUP_MODEL=random:llama-8b   STARTUP_REPEATS=2
-#   STARTUP_WARMING=1       0: no warming launch first (the compile cache already warm)
+#   STARTUP_WARMING=1       0: no warming launch first (the compile cache already warm); it
+#                          runs from this tree alone (the trees share the compile cache)
 #   STARTUP_CHECKPOINT=     a preset (random:llama-8b): its weights saved once as a checkpoint
 #                          folder in /tmp (scripts/save_checkpoint.py, about 30 s for the 8B),
 #                          which the startup part launches instead of STARTUP_MODEL, reading
@@ -609,6 +610,7 @@ if want startup; then
             read -r -a flags <<<"$*"
             local order=("${trees[@]}")
             ((round % 2)) || order=("${trees[@]:1}" "${trees[0]}")
+            ((round)) || order=("$PWD")  # round 0, the warming launch: the cache is shared
             local tree
             for tree in "${order[@]}"; do
                 if [ "${STARTUP_EVICT:-0}" = 1 ] && [ -n "${STARTUP_CHECKPOINT:-}" ]; then
@@ -626,7 +628,7 @@ if want startup; then
                 echo "$run [${flags[*]}]: exit code $?"
             done
         }
-        [ "${STARTUP_WARMING:-1}" = 0 ] || launch warming 1
+        [ "${STARTUP_WARMING:-1}" = 0 ] || launch warming 0
         for round in $(seq "${STARTUP_REPEATS:-2}"); do
             for index in "${!startup_variants[@]}"; do
                 launch "r${round}_v${index}" "$round" "${startup_variants[$index]}"
