@@ -3,12 +3,16 @@ as a user's model does (the presets build theirs on the device in about a second
 
     python scripts/save_checkpoint.py save random:llama-8b DIR [--device cuda]
     python scripts/save_checkpoint.py evict DIR
+    python scripts/save_checkpoint.py read DIR [--device cuda] [--unstaged] [--evict]
 
 ``save`` writes what ``save_pretrained`` writes (the configuration and safetensors files) and
 the embedded model's tokenizer beside them, which the scheduler needs for a folder (its 2,048
 tokens fit any preset's vocabulary but ``qwen2-tiny``'s). ``evict`` drops the folder's
 weight files from the page cache (``posix_fadvise``, no privileges needed), so that the next
-launch reads them from disk, as the first one after a download does. On an H100 host an 8B
+launch reads them from disk, as the first one after a download does. ``read`` times the
+worker's read of the weights alone, onto ``--device`` through its pinned staging buffers
+(``model_loader.StagedCopies``), or with ``--unstaged`` as straight pageable copies, the read
+of session 50. On an H100 host an 8B
 checkpoint's 16.1 GB saved in 29-33 s and loaded in 12.9 s evicted, 4.0 s from the page cache
 (docs/PERFORMANCE.md, session 50).
 """
@@ -16,6 +20,7 @@ checkpoint's 16.1 GB saved in 29-33 s and loaded in 12.9 s evicted, 4.0 s from t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -62,6 +67,37 @@ def evict(folder: Path) -> int:
     return len(files)
 
 
+def read(folder: Path, device: str = "cuda", staged: bool = True) -> tuple[float, float]:
+    """Every tensor of ``folder``'s weight files copied onto ``device`` as the worker reads a
+    checkpoint, on a stream of its own; the gigabytes read and the seconds it took."""
+    from safetensors import safe_open
+
+    from cbpipe.worker.model_loader import StagedCopies
+
+    cuda = torch.device(device).type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda else None
+    copies = StagedCopies(pinned=cuda)
+    kept, total = [], 0
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        if stream is not None:
+            stack.enter_context(torch.cuda.stream(stream))
+        for file in sorted(folder.glob("*.safetensors")):
+            handle = stack.enter_context(safe_open(str(file), "pt", device="cpu"))
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                source = handle.get_tensor(name)
+                destination = torch.empty_like(source, device=device)
+                if staged:
+                    copies.copy(destination, source)
+                else:
+                    destination.copy_(source, non_blocking=cuda)
+                kept.append(destination)
+                total += source.numel() * source.element_size()
+        if stream is not None:
+            stream.synchronize()
+    return total / 1e9, time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -71,12 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     saving.add_argument("--device", default="cpu", help="where to draw the weights")
     evicting = commands.add_parser("evict", help="drop FOLDER's weights from the page cache")
     evicting.add_argument("folder", type=Path)
+    reading = commands.add_parser("read", help="time the worker's read of FOLDER's weights")
+    reading.add_argument("folder", type=Path)
+    reading.add_argument("--device", default="cuda")
+    reading.add_argument("--unstaged", action="store_true", help="pageable copies, unstaged")
+    reading.add_argument("--evict", action="store_true", help="evict the files first")
     args = parser.parse_args(argv)
+    if args.command == "read" and args.evict:
+        evict(args.folder)
     started = time.perf_counter()
     if args.command == "save":
         size = save(args.preset, args.folder, args.device)
         print(f"saved {args.preset} ({size:.1f} GB) into {args.folder} in "
               f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+    elif args.command == "read":
+        size, took = read(args.folder, args.device, staged=not args.unstaged)
+        print(f"read {size:.2f} GB of {args.folder} onto {args.device} "
+              f"({'unstaged' if args.unstaged else 'staged'}"
+              f"{', files evicted first' if args.evict else ''}) in {took:.1f} s, "
+              f"{size / took:.2f} GB/s")  # fmt: skip
     else:
         print(f"evicted {evict(args.folder)} files of {args.folder} from the page cache")
     return 0

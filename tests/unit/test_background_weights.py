@@ -105,11 +105,16 @@ def _save_checkpoint_script():  # type: ignore[no-untyped-def]
 
 def test_a_saved_preset_is_read_back_as_it_was_drawn(tmp_path: Path) -> None:
     """``scripts/save_checkpoint.py`` writes a preset a start-up reads from disk (Qwen2's
-    biases among its tensors), and drops its files from the page cache."""
+    biases among its tensors), reads it back as the worker does, and drops its files from
+    the page cache."""
     script = _save_checkpoint_script()
     folder = tmp_path / "qwen2-tiny"
-    assert script.save("random:qwen2-tiny", folder) > 0
+    saved_gb = script.save("random:qwen2-tiny", folder)
+    assert saved_gb > 0
     assert script.evict(folder) == 1
+    for staged in (True, False):  # the benchmark's read: every tensor's bytes, less the header
+        read_gb, _ = script.read(folder, "cpu", staged=staged)
+        assert 0.99 * saved_gb < read_gb <= saved_gb
     loading = start_paged_model(resolve_model(str(folder)), CPU, torch.float32, fuse=False)
     assert loading.pending is not None
     loading.wait_for_weights()
