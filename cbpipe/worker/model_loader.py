@@ -374,9 +374,9 @@ class StagedCopies:
 
     A tensor of a mapped safetensors file is read from disk by the page faults of the first
     copy that touches it. Copied to the device straight, as a pageable copy, those faults
-    happen inside the CUDA call, and every other thread's CUDA calls wait behind it: an 8B
-    checkpoint read from a cold disk beside the start-up made the cache's allocation, the
-    warm-up and the compile 11 s longer (docs/PERFORMANCE.md, session 50). Here a host copy
+    happen inside the CUDA call, and every other thread's CUDA calls wait behind it: from a
+    cold disk that held up the cache's allocation, the warm-up and the compile by as long as
+    the read saved (docs/PERFORMANCE.md, sessions 50 and 52). Here a host copy
     into a pinned buffer faults the pages in outside any CUDA call (and casts, on the host as
     ``from_pretrained`` does: a cast on the device would need room the KV cache may hold by
     then), and the transfer from it is queued on the current stream, running while the next
