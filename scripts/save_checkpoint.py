@@ -4,6 +4,7 @@ as a user's model does (the presets build theirs on the device in about a second
     python scripts/save_checkpoint.py save random:llama-8b DIR [--device cuda]
     python scripts/save_checkpoint.py evict DIR
     python scripts/save_checkpoint.py read DIR [--device cuda] [--unstaged] [--evict]
+                                               [--host-threads N]
 
 ``save`` writes what ``save_pretrained`` writes (the configuration and safetensors files) and
 the embedded model's tokenizer beside them, which the scheduler needs for a folder (its 2,048
@@ -12,7 +13,8 @@ weight files from the page cache (``posix_fadvise``, no privileges needed), so t
 launch reads them from disk, as the first one after a download does. ``read`` times the
 worker's read of the weights alone, onto ``--device`` through its pinned staging buffers
 (``model_loader.StagedCopies``), or with ``--unstaged`` as straight pageable copies, the read
-of session 50. On an H100 host an 8B
+of session 50; ``--host-threads`` sets torch's intra-op threads, which the staging's host
+copies run on (the worker leaves them at torch's default). On an H100 host an 8B
 checkpoint's 16.1 GB saved in 29-33 s and loaded in 12.9 s evicted, 4.0 s from the page cache
 (docs/PERFORMANCE.md, session 50).
 """
@@ -112,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     reading.add_argument("--device", default="cuda")
     reading.add_argument("--unstaged", action="store_true", help="pageable copies, unstaged")
     reading.add_argument("--evict", action="store_true", help="evict the files first")
+    reading.add_argument("--host-threads", type=int, help="torch's intra-op threads")
     args = parser.parse_args(argv)
+    if args.command == "read" and args.host_threads:
+        torch.set_num_threads(args.host_threads)
     if args.command == "read" and args.evict:
         evict(args.folder)
     started = time.perf_counter()
@@ -122,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - started:.1f} s")  # fmt: skip
     elif args.command == "read":
         size, took = read(args.folder, args.device, staged=not args.unstaged)
+        how = "unstaged" if args.unstaged else "staged"
         print(f"read {size:.2f} GB of {args.folder} onto {args.device} "
-              f"({'unstaged' if args.unstaged else 'staged'}"
+              f"({how}, {torch.get_num_threads()} host threads"
               f"{', files evicted first' if args.evict else ''}) in {took:.1f} s, "
               f"{size / took:.2f} GB/s")  # fmt: skip
     else:
