@@ -74,30 +74,32 @@ def read(folder: Path, device: str = "cuda", staged: bool = True) -> tuple[float
     checkpoint, on a stream of its own; the gigabytes read and the seconds it took."""
     from safetensors import safe_open
 
-    from cbpipe.worker.model_loader import StagedCopies
+    from cbpipe.worker.model_loader import StagedCopies, read_tensors
 
+    files = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt", device="cpu") as handle:
+            files.update(dict.fromkeys(handle.keys(), file))
     cuda = torch.device(device).type == "cuda"
     stream = torch.cuda.Stream(device) if cuda else None
     copies = StagedCopies(pinned=cuda)
-    kept, total = [], 0
+    kept: list[torch.Tensor] = []  # the weights stay, as in a model
+
+    def copy(name: str, source: torch.Tensor) -> None:
+        kept.append(torch.empty_like(source, device=device))
+        if staged:
+            copies.copy(kept[-1], source)
+        else:
+            kept[-1].copy_(source, non_blocking=cuda)
+
     started = time.perf_counter()
     with contextlib.ExitStack() as stack, torch.no_grad():
         if stream is not None:
             stack.enter_context(torch.cuda.stream(stream))
-        for file in sorted(folder.glob("*.safetensors")):
-            handle = stack.enter_context(safe_open(str(file), "pt", device="cpu"))
-            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                source = handle.get_tensor(name)
-                destination = torch.empty_like(source, device=device)
-                if staged:
-                    copies.copy(destination, source)
-                else:
-                    destination.copy_(source, non_blocking=cuda)
-                kept.append(destination)
-                total += source.numel() * source.element_size()
+        read_tensors(files, copy)
         if stream is not None:
             stream.synchronize()
-    return total / 1e9, time.perf_counter() - started
+    return sum(t.numel() * t.element_size() for t in kept) / 1e9, time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> int:

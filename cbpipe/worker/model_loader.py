@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,16 @@ def _open_files(stack: contextlib.ExitStack, files: dict[str, Path]) -> dict[Pat
     }
 
 
+def read_tensors(files: dict[str, Path], copy: Callable[[str, torch.Tensor], None]) -> None:
+    """Each tensor ``files`` names, in its order, handed to ``copy`` (its name, and the
+    tensor as mapped from its file: its bytes are read from disk by the first copy that
+    touches them)."""
+    with contextlib.ExitStack() as stack:
+        handles = _open_files(stack, files)
+        for name, file in files.items():
+            copy(name, handles[file].get_tensor(name))
+
+
 def _shapes_match(model: torch.nn.Module, files: dict[str, Path]) -> bool:
     with contextlib.ExitStack() as stack:
         handles = _open_files(stack, files)
@@ -339,10 +350,8 @@ class PendingWeights:
             with contextlib.ExitStack() as stack, torch.no_grad():
                 if stream is not None:
                     stack.enter_context(torch.cuda.stream(stream))
-                handles = _open_files(stack, files)
                 copies = StagedCopies(pinned=stream is not None)
-                for name, destination in destinations.items():
-                    copies.copy(destination, handles[files[name]].get_tensor(name))
+                read_tensors(files, lambda name, source: copies.copy(destinations[name], source))
                 if stream is not None:
                     stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - raised again by wait()
